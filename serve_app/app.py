@@ -1,0 +1,28 @@
+"""`serve run` entry point: `import_path: serve_app.app:build_app`, models in `args`."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from ray.serve import Application
+
+from serve_app.config import parse_app_config
+from serve_app.ingress import ChatIngress
+from workers.deployment import ModelWorker
+
+
+def worker_deployment_name(model_id: str) -> str:
+    return "ModelWorker-" + re.sub(r"[^A-Za-z0-9_.-]", "-", model_id)
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """Validate the config (a bad key fails here, named) and bind ingress + one worker per model."""
+    config = parse_app_config(args)
+    workers = {
+        model.id: ModelWorker.options(
+            name=worker_deployment_name(model.id), **model.deployment.serve_options()
+        ).bind(model.model_dump())
+        for model in config.models
+    }
+    return ChatIngress.options(**config.ingress.serve_options()).bind(config.model_dump(), workers)

@@ -1,0 +1,48 @@
+"""The application config: the `args` of the Serve YAML, typed and validated at start."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from workers.config import DeploymentConfig, ModelConfig
+
+
+class ConfigError(ValueError):
+    """A bad config; the message names every bad key."""
+
+
+class ServerOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    full_text_enabled: bool = Field(False, description="MindIE fullTextEnabled: deltas carry the whole text")
+    max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+
+
+class AppConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    models: list[ModelConfig] = Field(min_length=1)
+    ingress: DeploymentConfig = DeploymentConfig(max_ongoing_requests=1024)
+    server: ServerOptions = ServerOptions()
+
+    @field_validator("models")
+    @classmethod
+    def _unique_ids(cls, models: list[ModelConfig]) -> list[ModelConfig]:
+        ids = [m.id for m in models]
+        dupes = sorted({i for i in ids if ids.count(i) > 1})
+        if dupes:
+            raise ValueError(f"model ids must be unique; repeated: {dupes}")
+        return models
+
+    def model(self, model_id: str) -> ModelConfig | None:
+        return next((m for m in self.models if m.id == model_id), None)
+
+
+def parse_app_config(args: dict[str, Any]) -> AppConfig:
+    try:
+        return AppConfig.model_validate(args)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}" for err in exc.errors()
+        )
+        raise ConfigError(f"invalid chatserve config: {problems}") from None

@@ -1,0 +1,210 @@
+"""OpenAI chat-completion request and response models.
+
+Unknown request fields are ignored (as vLLM does), so clients written for other
+servers keep working; fields that this server knows but does not honour yet are
+rejected with a 400 naming them (see `UNSUPPORTED_UNLESS_NEUTRAL`), never silently
+dropped. Response models mark every always-present field as required and every extra
+(stop_reason, prefill_time, ...) optional: they are dumped with `exclude_unset`, so an
+extra appears only when the server set it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(_Request):
+    url: str
+    detail: str | None = None
+
+
+class ImagePart(_Request):
+    type: Literal["image_url"]
+    image_url: str | ImageURL  # seed 001 passes a bare string (a local path)
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class ChatMessage(_Request):
+    model_config = ConfigDict(extra="allow")  # name, tool_calls, ... reach the chat template
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+# Fields that change what the model outputs and are not implemented yet: a request
+# that sets one to a non-neutral value gets a 400 instead of a silently different answer.
+UNSUPPORTED_UNLESS_NEUTRAL: dict[str, Any] = {
+    "n": 1,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_p": 0.0,
+    "min_tokens": 0,
+    "logit_bias": None,
+    "logprobs": False,
+    "top_logprobs": None,
+    "prompt_logprobs": None,
+    "use_beam_search": False,
+    "best_of": None,
+    "length_penalty": 1.0,
+    "tools": None,
+    "tool_choice": None,
+    "response_format": None,
+}
+
+
+class ChatCompletionRequest(_Request):
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)  # None: 1.0
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)  # None: 1.0
+    top_k: int | None = Field(None, ge=-1)  # None, 0 and -1: off
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    ignore_eos: bool = False
+    n: int = Field(1, ge=1, le=128)
+    chat_template_kwargs: dict[str, Any] | None = None
+    user: str | None = None
+
+    # Known but not honoured yet (see UNSUPPORTED_UNLESS_NEUTRAL).
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    repetition_penalty: float | None = 1.0
+    min_p: float | None = 0.0
+    min_tokens: int | None = 0
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    use_beam_search: bool | None = False
+    best_of: int | None = None
+    length_penalty: float | None = 1.0
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> "ChatCompletionRequest":
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        return self
+
+    def unsupported_field(self) -> str | None:
+        """The first known-but-unimplemented field set to a non-neutral value, if any."""
+        for name, neutral in UNSUPPORTED_UNLESS_NEUTRAL.items():
+            value = getattr(self, name)
+            if value is not None and value != neutral and value not in ([], {}):
+                return name
+        return None
+
+    @property
+    def output_cap(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def stop_list(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+
+# ---------------------------------------------------------------------------- responses
+
+
+class _Response(BaseModel):
+    def dump(self) -> dict:
+        return self.model_dump(exclude_unset=True)
+
+    def dump_json(self) -> str:
+        return self.model_dump_json(exclude_unset=True)
+
+
+class Usage(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(_Response):
+    role: Literal["assistant"]
+    content: str | None
+
+
+class Choice(_Response):
+    index: int
+    message: AssistantMessage
+    logprobs: None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletion(_Response):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+    prefill_time: float | None = None  # ms to the first token (MindIE)
+    decode_time_arr: list[float] | None = None  # ms per later token (MindIE)
+
+
+class Delta(_Response):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(_Response):
+    index: int
+    delta: Delta
+    logprobs: None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+    full_text: str | None = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(_Response):
+    object: Literal["list"]
+    data: list[ModelCard]

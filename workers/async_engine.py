@@ -1,0 +1,165 @@
+"""The engine on a background thread, with an asyncio stream per request.
+
+The engine thread only schedules, runs the model and samples. Callers on the event
+loop add and abort requests through a command queue (drained between steps, so the
+scheduler is only ever touched by its own thread), and receive each step's tokens in
+one `call_soon_threadsafe` per step. Tokenizing, detokenizing and serialisation happen
+on the event-loop side, never on the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from workers.engine import LLMEngine, TokenEvent
+from workers.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped; no request can make progress."""
+
+
+@dataclass
+class _Add:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: "RequestStream"
+
+
+@dataclass
+class _Abort:
+    stream: "RequestStream"
+
+
+class RequestStream:
+    """Tokens of one request, as the engine produces them."""
+
+    def __init__(self) -> None:
+        self.seq_id: int | None = None
+        self._queue: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def put(self, item: TokenEvent | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    async def next_batch(self) -> list[TokenEvent]:
+        """Wait for at least one event, then take every event already queued (no timer)."""
+        items = [await self._queue.get()]
+        while not self._queue.empty():
+            items.append(self._queue.get_nowait())
+        for item in items:
+            if isinstance(item, BaseException):
+                raise item
+        return items  # type: ignore[return-value]
+
+    async def __aiter__(self) -> AsyncIterator[list[TokenEvent]]:
+        while not self.finished:
+            events = await self.next_batch()
+            if events[-1].finish_reason is not None:
+                self.finished = True
+            yield events
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._commands: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[int, RequestStream] = {}
+        self._stopped = False
+        self.error: BaseException | None = None
+        self.steps = 0
+        self._thread = threading.Thread(target=self._run, name="chatserve-engine", daemon=True)
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+        """Check the request now (raises CapacityError), then queue it for the engine thread."""
+        if not self.alive:
+            raise EngineDeadError(f"engine is not running: {self.error!r}")
+        self.engine.check_request(prompt_token_ids, params)
+        stream = RequestStream()
+        self._commands.put(_Add(prompt_token_ids, params, stream))
+        self._wake.set()
+        return stream
+
+    def abort(self, stream: RequestStream) -> None:
+        if not stream.finished:
+            self._commands.put(_Abort(stream))
+            self._wake.set()
+
+    # --- engine thread -------------------------------------------------------------
+
+    def _run(self) -> None:
+        # `self._streams` (seq_id -> stream) belongs to this thread alone.
+        try:
+            while not self._stopped:
+                self._drain_commands()
+                if not self.engine.has_work():
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
+                events = self.engine.step()
+                self.steps += 1
+                if events:
+                    self._loop.call_soon_threadsafe(_deliver, self._route(events))
+        except BaseException as exc:  # noqa: BLE001 - every stream must learn the engine died
+            logger.exception("engine thread failed")
+            self.error = exc
+            dead = EngineDeadError(f"engine thread failed: {exc!r}")
+            self._loop.call_soon_threadsafe(_deliver, [(s, dead) for s in self._streams.values()])
+            self._streams.clear()
+
+    def _route(self, events: list[TokenEvent]) -> list[tuple[RequestStream, TokenEvent]]:
+        routed = []
+        for event in events:
+            stream = self._streams.get(event.seq_id)
+            if stream is None:
+                continue
+            if event.finish_reason is not None:
+                del self._streams[event.seq_id]
+            routed.append((stream, event))
+        return routed
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add):
+                try:
+                    seq_id = self.engine.add_request(cmd.prompt_token_ids, cmd.params)
+                except Exception as exc:  # noqa: BLE001 - fails this request only
+                    self._loop.call_soon_threadsafe(_deliver, [(cmd.stream, exc)])
+                    continue
+                cmd.stream.seq_id = seq_id
+                self._streams[seq_id] = cmd.stream
+            elif cmd.stream.seq_id is not None:
+                self.engine.abort_request(cmd.stream.seq_id)
+                self._streams.pop(cmd.stream.seq_id, None)
+
+
+def _deliver(routed: list[tuple[RequestStream, TokenEvent | BaseException]]) -> None:
+    """Runs on the event loop: hand each event to its stream."""
+    for stream, item in routed:
+        stream.put(item)

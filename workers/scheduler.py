@@ -1,0 +1,144 @@
+"""Decides which sequences run in the next model step, and how many tokens each feeds.
+
+Policy (one step):
+1. Running sequences, oldest first: a decoding sequence feeds 1 token, a sequence
+   mid-prefill feeds its next chunk. If the KV pool has no block for it, the newest
+   running sequence is preempted (its blocks freed; it is recomputed later, so its
+   output does not change).
+2. Waiting sequences, in arrival order, while the step's token budget, the batch-size
+   cap and the free blocks allow. A prompt longer than the remaining budget is
+   prefilled in chunks over several steps, so decodes keep flowing meanwhile.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from workers.block_manager import BlockManager
+from workers.model_runner import ScheduledChunk
+from workers.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # sequences in one step
+    max_num_batched_tokens: int = 2048  # tokens fed to the model in one step
+
+
+@dataclass
+class ScheduledBatch:
+    decodes: list[ScheduledChunk] = field(default_factory=list)
+    prefills: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+    def add(self, chunk: ScheduledChunk) -> None:
+        # A decode is one query token that samples; everything else is a prefill span.
+        if chunk.num_tokens == 1 and chunk.samples:
+            self.decodes.append(chunk)
+        else:
+            self.prefills.append(chunk)
+
+    @property
+    def sampling_chunks(self) -> list[ScheduledChunk]:
+        """Chunks that yield a token this step, in the model runner's logits order."""
+        return self.decodes + [c for c in self.prefills if c.samples]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(c.num_tokens for c in self.prefills)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.blocks = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop `seq` wherever it is and free its cache."""
+        if seq.is_finished:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.finish(seq, FinishReason.ABORT)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.blocks.free(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(batch, budget)
+        if not batch.preempted:
+            self._schedule_waiting(batch, budget)
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        queue = list(self.running)
+        while queue and budget > 0:
+            seq = queue.pop(0)
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self.blocks.can_allocate(seq, n):
+                victim = queue.pop() if queue else None
+                if victim is None:
+                    break
+                self._preempt(victim, batch)
+            if not self.blocks.can_allocate(seq, n):
+                self._preempt(seq, batch)
+                continue
+            self.blocks.allocate(seq, n)
+            batch.add(ScheduledChunk.of(seq, n))
+            budget -= n
+        # Unscheduled sequences (budget ran out) keep their place; running stays oldest-first.
+        preempted = {id(s) for s in batch.preempted}
+        self.running = [s for s in self.running if id(s) not in preempted]
+        return budget
+
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self.blocks.can_allocate(seq, n):
+                break
+            self.waiting.popleft()
+            self.blocks.allocate(seq, n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.add(ScheduledChunk.of(seq, n))
+            budget -= n
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self.blocks.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        batch.preempted.append(seq)
+
+    def complete_step(self, batch: ScheduledBatch, sampled: list[int]) -> list[tuple[Sequence, int, FinishReason | None]]:
+        """Advance computed counts, append sampled tokens, retire finished sequences."""
+        for chunk in batch.decodes + batch.prefills:
+            chunk.seq.num_computed_tokens += chunk.num_tokens
+        results = []
+        for chunk, token in zip(batch.sampling_chunks, sampled):
+            seq = chunk.seq
+            reason = seq.append_token(token)
+            if reason is not None:
+                self.running.remove(seq)
+                self.finish(seq, reason)
+            results.append((seq, token, reason))
+        return results

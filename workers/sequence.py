@@ -1,0 +1,83 @@
+"""One request's token state as the engine sees it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from workers.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id, or (set by the request processor) a stop string
+    LENGTH = "length"  # max_tokens or the context window
+    ABORT = "abort"  # cancelled by the caller
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Tokens, cache position and finish state of one request.
+
+    `token_ids` holds prompt + generated tokens in one list so a prefill after
+    preemption recomputes exactly what was there. `num_computed_tokens` counts the
+    tokens whose K/V are in the cache; the rest are fed to the model next.
+    """
+
+    seq_id: int
+    token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.token_ids)
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> FinishReason | None:
+        """Add a sampled token and return why the sequence ends now, if it does."""
+        self.token_ids.append(token_id)
+        params = self.params
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return FinishReason.STOP
+        if token_id in params.stop_token_ids:
+            self.stop_token_id = token_id
+            return FinishReason.STOP
+        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
