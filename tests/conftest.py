@@ -1,0 +1,50 @@
+"""Shared CPU fixtures for the engine unit tests: a tiny tokenizer and a tiny random Llama.
+
+No Ray here; the Ray / HTTP fixtures live in tests/serve_fixtures.py.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from tests.tiny_models import build_tiny_llama, build_tokenizer, write_tiny_model_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_tokenizer):
+    """The reference model, default ('sdpa') attention, eval mode. Never switch its attention
+    implementation in place: use the `paged_model` fixture (a deep copy) for the paged path."""
+    model = build_tiny_llama(len(tiny_tokenizer))
+    model.eval()
+    assert model.config._attn_implementation == "sdpa"
+    return model
+
+
+@pytest.fixture(scope="session")
+def paged_attn_name() -> str:
+    from workers.attention import register_paged_attention
+
+    return register_paged_attention()
+
+
+@pytest.fixture
+def paged_model(tiny_model, paged_attn_name):
+    """A deep copy of `tiny_model` (same weights) running the engine's paged attention."""
+    model = copy.deepcopy(tiny_model)
+    model.set_attn_implementation(paged_attn_name)
+    yield model
+    # The shared reference model must still be dense for the next test.
+    assert tiny_model.config._attn_implementation == "sdpa"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    return write_tiny_model_dir(tmp_path_factory.mktemp("tiny_model"))
+

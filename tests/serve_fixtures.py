@@ -1,0 +1,88 @@
+"""A real Ray Serve instance on loopback for integration tests (started once per session)."""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+TINY_MODEL_ID = "tiny-llama"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServeInstance:
+    base_url: str
+
+    def url(self, prefix: str) -> str:
+        return f"{self.base_url}{prefix}"
+
+
+def tiny_app_args(model_dir, **engine) -> dict:
+    engine_config = {"block_size": 4, "kv_cache_memory_gib": 0.002, "max_num_seqs": 16,
+                     "max_num_batched_tokens": 64, "max_model_len": 256, "torch_threads": 1}
+    engine_config.update(engine)
+    return {
+        "models": [{
+            "id": TINY_MODEL_ID,
+            "source": str(model_dir),
+            "engine": engine_config,
+            "deployment": {"max_ongoing_requests": 64, "ray_actor_options": {"num_cpus": 0}},
+        }],
+        "ingress": {"ray_actor_options": {"num_cpus": 0}},
+    }
+
+
+def wait_ready(url: str, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not ready after {timeout}s")
+
+
+@pytest.fixture(scope="session")
+def serve_instance():
+    import ray
+    from ray import serve
+
+    port = free_port()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield ServeInstance(f"http://127.0.0.1:{port}")
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_app(serve_instance, tiny_model_dir):
+    """The chatserve app on the tiny random model, at route prefix /tiny."""
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    serve.run(build_app(tiny_app_args(tiny_model_dir)), name="tiny", route_prefix="/tiny", blocking=False)
+    url = serve_instance.url("/tiny")
+    wait_ready(url)
+    return url
+
+
+def worker_stats(app_name: str, model_id: str):
+    from ray import serve
+
+    from serve_app.app import worker_deployment_name
+
+    handle = serve.get_deployment_handle(worker_deployment_name(model_id), app_name=app_name)
+    return handle.stats.remote().result()
