@@ -1,6 +1,6 @@
-"""Shared CPU fixtures for the engine unit tests: a tiny tokenizer and a tiny random Llama.
+"""Shared fixtures: a tiny tokenizer and a tiny random Llama for the engine unit tests.
 
-No Ray here; the Ray / HTTP fixtures live in tests/serve_fixtures.py.
+The Ray / HTTP fixtures live in tests/serve_fixtures.py and start Ray only when a test asks.
 """
 
 from __future__ import annotations
@@ -8,8 +8,24 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
 
 from tests.tiny_models import build_tiny_llama, build_tokenizer, write_tiny_model_dir
+
+# Registering serve_fixtures here makes each session fixture exist once (importing them
+# into two test modules would create two session fixtures and start Serve twice).
+pytest_plugins = ["tests.serve_fixtures"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    # The tiny model runs ~1.5 ms a step on one thread; with two OpenMP threads on a 2-core
+    # machine that is shared with anything else it can be 50x slower. In-process only:
+    # Ray workers (the serve tests) set their own thread count.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.serve_fixtures import serve_instance, wait_ready  # noqa: F401
+from tests.serve_fixtures import wait_ready
 
 MODEL = "SmolLM2-135M-Instruct"
 

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serve_fixtures import TINY_MODEL_ID, serve_instance, tiny_app, worker_stats  # noqa: F401
+from tests.serve_fixtures import TINY_MODEL_ID, worker_stats
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

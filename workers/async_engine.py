@@ -100,6 +100,9 @@ class AsyncEngine:
         stream = RequestStream()
         self._commands.put(_Add(prompt_token_ids, params, stream))
         self._wake.set()
+        if self.error is not None:
+            # The engine died after the check above; its last drain may have missed this command.
+            raise EngineDeadError(f"engine is not running: {self.error!r}")
         return stream
 
     def abort(self, stream: RequestStream) -> None:
@@ -126,7 +129,16 @@ class AsyncEngine:
             logger.exception("engine thread failed")
             self.error = exc
             dead = EngineDeadError(f"engine thread failed: {exc!r}")
-            self._loop.call_soon_threadsafe(_deliver, [(s, dead) for s in self._streams.values()])
+            failed = [(s, dead) for s in self._streams.values()]
+            # Requests queued while the failing step ran never reached the engine: fail them too.
+            while True:
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(cmd, _Add):
+                    failed.append((cmd.stream, dead))
+            self._loop.call_soon_threadsafe(_deliver, failed)
             self._streams.clear()
 
     def _route(self, events: list[TokenEvent]) -> list[tuple[RequestStream, TokenEvent]]:

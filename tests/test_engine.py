@@ -1,0 +1,456 @@
+"""The engine end to end on the tiny model: batched greedy == transformers generate,
+preemption, abort, finish reasons, and the asyncio side (AsyncEngine, RequestProcessor)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from workers.async_engine import AsyncEngine, EngineDeadError
+from workers.engine import CapacityError, EngineLimits, LLMEngine
+from workers.kv_cache import KVCacheShape
+from workers.protocol import GenerateRequest
+from workers.request_processor import RequestProcessor
+from workers.sampling_params import SamplingParams
+from workers.sequence import FinishReason
+
+CPU = torch.device("cpu")
+
+PROMPT_TEXTS = [
+    "Hello",
+    "The quick brown fox jumps over the lazy dog.",
+    "Paris is the capital of France. Berlin is the capital of Germany. Rome is",
+    "def add(a, b):\n    return",
+    "Unicode: café naïve 你好 世界 😀 — emoji and accents, numbers 0 1 2 3 4 5 6 7 8 9",
+]
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def make_engine(model, num_blocks=256, block_size=4, eos=frozenset(), **limits) -> LLMEngine:
+    per_token = KVCacheShape.from_model_config(model.config, model.dtype).bytes_per_token
+    limits = EngineLimits(block_size=block_size, kv_cache_bytes=num_blocks * block_size * per_token, **limits)
+    engine = LLMEngine(model, eos, limits, CPU)
+    assert engine.blocks.num_blocks == num_blocks
+    return engine
+
+
+def run_to_completion(engine: LLMEngine, max_steps: int = 2000) -> dict[int, list]:
+    events: dict[int, list] = {}
+    for _ in range(max_steps):
+        if not engine.has_work():
+            return events
+        for ev in engine.step():
+            events.setdefault(ev.seq_id, []).append(ev)
+    raise AssertionError("engine did not finish")
+
+
+def record_preemptions(engine: LLMEngine) -> list:
+    """Wrap the scheduler so the test can see which sequences each step preempted."""
+    preempted: list = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        batch = schedule()
+        preempted.extend(batch.preempted)
+        return batch
+
+    engine.scheduler.schedule = recording_schedule
+    return preempted
+
+
+_REFERENCE: dict[tuple, list[int]] = {}
+
+
+def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """transformers' own greedy decoding, EOS disabled."""
+    key = (tuple(prompt), n)
+    if key not in _REFERENCE:
+        x = torch.tensor([prompt])
+        out = model.generate(
+            x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n, eos_token_id=None, pad_token_id=0
+        )
+        tokens = out[0, len(prompt) :].tolist()
+        assert len(tokens) == n
+        _REFERENCE[key] = tokens
+    return _REFERENCE[key]
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_tokenizer) -> list[list[int]]:
+    ids = [tiny_tokenizer(t)["input_ids"] for t in PROMPT_TEXTS]
+    assert len({len(p) for p in ids}) == len(ids)  # all different lengths
+    return ids
+
+
+@pytest.mark.parametrize(
+    "limits",
+    [
+        dict(block_size=4),
+        dict(block_size=4, max_num_batched_tokens=8),  # prompts chunked over steps
+        dict(block_size=16, max_num_batched_tokens=5, max_num_seqs=2),
+        dict(block_size=1, max_num_batched_tokens=3),
+    ],
+    ids=["roomy", "chunked", "chunked-2seqs", "block1"],
+)
+def test_batched_greedy_equals_generate(tiny_model, paged_model, prompts, limits):
+    engine = make_engine(paged_model, num_blocks=400 // limits["block_size"] * 4, **limits)
+    ids = [engine.add_request(p, greedy(10)) for p in prompts]
+    events = run_to_completion(engine)
+    for seq_id, prompt in zip(ids, prompts):
+        tokens = [e.token_id for e in events[seq_id]]
+        assert tokens == reference_greedy(tiny_model, prompt, 10)
+        assert [e.finish_reason for e in events[seq_id]] == [None] * 9 + [FinishReason.LENGTH]
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert engine.num_active == 0
+
+
+def test_request_added_mid_generation_joins_the_batch(tiny_model, paged_model, prompts):
+    engine = make_engine(paged_model, max_num_batched_tokens=6)
+    first = engine.add_request(prompts[2], greedy(12))
+    events: dict[int, list[int]] = {}
+    for _ in range(5):
+        for ev in engine.step():
+            events.setdefault(ev.seq_id, []).append(ev.token_id)
+    second = engine.add_request(prompts[4], greedy(12))
+    for seq_id, evs in run_to_completion(engine).items():
+        events.setdefault(seq_id, []).extend(e.token_id for e in evs)
+    assert events[first] == reference_greedy(tiny_model, prompts[2], 12)
+    assert events[second] == reference_greedy(tiny_model, prompts[4], 12)
+
+
+def test_preemption_recomputes_same_greedy_tokens(tiny_model, paged_model, prompts):
+    max_tokens = 12
+    longest = max(len(p) for p in prompts) + max_tokens
+    num_blocks = -(-longest // 4) + 1  # enough for one sequence at a time, not for all
+    small = make_engine(paged_model, num_blocks=num_blocks, block_size=4, max_num_batched_tokens=16)
+    preempted = record_preemptions(small)
+    ids = [small.add_request(p, greedy(max_tokens)) for p in prompts]
+    events = run_to_completion(small)
+    assert len(preempted) > 0, "the pool was meant to force preemption"
+
+    large = make_engine(paged_model, num_blocks=256)
+    large_ids = [large.add_request(p, greedy(max_tokens)) for p in prompts]
+    large_events = run_to_completion(large)
+    for seq_id, large_id, prompt in zip(ids, large_ids, prompts):
+        tokens = [e.token_id for e in events[seq_id]]
+        assert tokens == [e.token_id for e in large_events[large_id]]
+        assert tokens == reference_greedy(tiny_model, prompt, max_tokens)
+    assert small.blocks.num_free_blocks == num_blocks
+
+
+def test_seeded_sampling_independent_of_batch_and_preemption(paged_model, prompts):
+    def seeded(seed: int) -> SamplingParams:
+        return SamplingParams(max_tokens=12, temperature=1.5, top_p=0.95, seed=seed, ignore_eos=True)
+
+    alone = make_engine(paged_model, num_blocks=256)
+    alone_id = alone.add_request(prompts[2], seeded(7))
+    alone_tokens = [e.token_id for e in run_to_completion(alone)[alone_id]]
+
+    # Same request in a crowded, preempting engine, with unseeded neighbours.
+    longest = max(len(p) for p in prompts) + 12
+    crowded = make_engine(paged_model, num_blocks=-(-longest // 4) + 1, max_num_batched_tokens=16)
+    preempted = record_preemptions(crowded)
+    ids = [crowded.add_request(p, SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)) for p in prompts]
+    seeded_id = crowded.add_request(prompts[2], seeded(7))
+    other_seed = crowded.add_request(prompts[2], seeded(8))
+    events = run_to_completion(crowded)
+    assert preempted
+    assert set(events) == set(ids) | {seeded_id, other_seed}
+    assert [e.token_id for e in events[seeded_id]] == alone_tokens
+    assert [e.token_id for e in events[other_seed]] != alone_tokens
+
+
+def test_abort_mid_generation_frees_all_blocks(paged_model, prompts):
+    engine = make_engine(paged_model, num_blocks=64)
+    ids = [engine.add_request(p, greedy(50)) for p in prompts]
+    for _ in range(4):
+        engine.step()
+    assert engine.blocks.num_used_blocks > 0
+    engine.abort_request(ids[0])
+    engine.abort_request(ids[3])
+    engine.abort_request(12345)  # unknown ids are ignored
+    assert engine.num_active == len(prompts) - 2
+    seen = set()
+    for _ in range(3):
+        seen |= {ev.seq_id for ev in engine.step()}
+    assert ids[0] not in seen and ids[3] not in seen
+    assert {ids[1], ids[2], ids[4]} <= seen
+    for seq_id in ids:
+        engine.abort_request(seq_id)
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert not engine.has_work() and engine.num_active == 0
+    assert engine.step() == []
+
+
+def test_abort_of_waiting_request(paged_model, prompts):
+    engine = make_engine(paged_model, num_blocks=64, max_num_seqs=1)
+    a = engine.add_request(prompts[1], greedy(20))
+    b = engine.add_request(prompts[2], greedy(20))
+    engine.step()
+    engine.abort_request(b)  # never ran
+    events = run_to_completion(engine)
+    assert set(events) == {a}
+    assert engine.blocks.num_free_blocks == 64
+
+
+def test_max_tokens_finishes_with_length(paged_model, prompts):
+    engine = make_engine(paged_model)
+    seq_id = engine.add_request(prompts[1], greedy(3))
+    evs = run_to_completion(engine)[seq_id]
+    assert len(evs) == 3
+    assert evs[-1].finish_reason is FinishReason.LENGTH and evs[-1].finish_reason.value == "length"
+
+
+def test_eos_finishes_with_stop(tiny_model, paged_model, prompts):
+    ref = reference_greedy(tiny_model, prompts[1], 10)
+    eos = ref[3]
+    cut = ref.index(eos)  # first occurrence
+    engine = make_engine(paged_model, eos=frozenset({eos}))
+    seq_id = engine.add_request(prompts[1], SamplingParams(max_tokens=10, temperature=0.0))
+    ignoring = engine.add_request(prompts[1], greedy(10))  # ignore_eos=True
+    events = run_to_completion(engine)
+    evs = events[seq_id]
+    assert [e.token_id for e in evs] == ref[: cut + 1]
+    assert evs[-1].finish_reason is FinishReason.STOP and evs[-1].finish_reason.value == "stop"
+    assert evs[-1].stop_token_id is None  # EOS, not a requested stop token
+    assert [e.token_id for e in events[ignoring]] == ref
+
+
+def test_stop_token_ids_finish_with_stop(tiny_model, paged_model, prompts):
+    ref = reference_greedy(tiny_model, prompts[2], 10)
+    stop = ref[2]
+    cut = ref.index(stop)
+    engine = make_engine(paged_model)
+    seq_id = engine.add_request(prompts[2], greedy(10, stop_token_ids=(stop,)))
+    evs = run_to_completion(engine)[seq_id]
+    assert [e.token_id for e in evs] == ref[: cut + 1]
+    assert evs[-1].finish_reason is FinishReason.STOP
+    assert evs[-1].stop_token_id == stop
+
+
+def test_context_window_cap_raises_capacity_error(paged_model):
+    engine = make_engine(paged_model, num_blocks=64, max_model_len=32)
+    prompt = list(range(5, 25))  # 20 tokens
+    engine.add_request(prompt, greedy(12))  # exactly 32: fits
+    with pytest.raises(CapacityError, match="maximum context length is 32"):
+        engine.add_request(prompt, greedy(13))
+    with pytest.raises(CapacityError):
+        engine.add_request(list(range(5, 40)), greedy(1))
+    assert engine.num_active == 1
+
+
+def test_request_larger_than_kv_pool_raises_capacity_error(paged_model):
+    engine = make_engine(paged_model, num_blocks=4, block_size=4)  # 16 token slots
+    engine.add_request(list(range(5, 15)), greedy(6))
+    with pytest.raises(CapacityError, match="KV cache"):
+        engine.add_request(list(range(5, 15)), greedy(7))
+
+
+# --- asyncio side -------------------------------------------------------------------
+
+
+async def _wait_idle(engine: LLMEngine, timeout: float = 5.0) -> None:
+    """Aborts reach the engine thread through its command queue: give it a moment."""
+    deadline = time.monotonic() + timeout
+    while (engine.blocks.num_used_blocks or engine.num_active) and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
+
+
+async def _with_async_engine(engine: LLMEngine, body):
+    aengine = AsyncEngine(engine)
+    aengine.start(asyncio.get_running_loop())
+    try:
+        return await asyncio.wait_for(body(aengine), timeout=30)
+    finally:
+        aengine.stop()
+        assert not aengine._thread.is_alive()
+
+
+def test_async_engine_concurrent_streams(tiny_model, paged_model, prompts):
+    engine = make_engine(paged_model, max_num_batched_tokens=16)
+    max_tokens = 24
+
+    async def consume(stream):
+        batches = []
+        async for events in stream:
+            batches.append(events)
+        return batches
+
+    async def body(aengine):
+        streams = [aengine.add_request(p, greedy(max_tokens)) for p in prompts]
+        return await asyncio.gather(*(consume(s) for s in streams))
+
+    results = asyncio.run(_with_async_engine(engine, body))
+    for prompt, batches in zip(prompts, results):
+        tokens = [e.token_id for batch in batches for e in batch]
+        assert tokens == reference_greedy(tiny_model, prompt, max_tokens)
+        reasons = [e.finish_reason for batch in batches for e in batch]
+        assert reasons == [None] * (max_tokens - 1) + [FinishReason.LENGTH]
+    # Tokens arrived as a stream, not in one piece at the end.
+    assert max(len(batches) for batches in results) > 1
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_async_engine_rejects_oversized_request_synchronously(paged_model):
+    engine = make_engine(paged_model, max_model_len=16)
+
+    async def body(aengine):
+        with pytest.raises(CapacityError):
+            aengine.add_request(list(range(5, 15)), greedy(7))
+        stream = aengine.add_request(list(range(5, 15)), greedy(6))
+        return [e async for batch in stream for e in batch]
+
+    events = asyncio.run(_with_async_engine(engine, body))
+    assert len(events) == 6
+
+
+def _chat_request(text: str, max_tokens: int | None, **params) -> GenerateRequest:
+    return GenerateRequest(
+        request_id="r",
+        params=SamplingParams(temperature=0.0, **params),
+        messages=[{"role": "user", "content": text}],
+        max_tokens=max_tokens,
+    )
+
+
+def _template_ids(tokenizer, text: str) -> list[int]:
+    # The tiny model's template written out by hand (tests/tiny_models.py CHAT_TEMPLATE).
+    rendered = f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
+def test_request_processor_usage_and_text(tiny_model, paged_model, tiny_tokenizer):
+    engine = make_engine(paged_model, max_model_len=256)
+    text = "Hi there, what is the capital of France?"
+
+    async def body(aengine):
+        processor = RequestProcessor(aengine, tiny_tokenizer)
+        return [c async for c in processor.generate(_chat_request(text, 9, ignore_eos=True))]
+
+    chunks = asyncio.run(_with_async_engine(engine, body))
+    prompt_ids = _template_ids(tiny_tokenizer, text)
+    assert all(c.error is None for c in chunks)
+    token_ids = [t for c in chunks for t in c.token_ids]
+    assert token_ids == reference_greedy(tiny_model, prompt_ids, 9)
+    assert all(c.prompt_tokens == len(prompt_ids) for c in chunks)
+    assert chunks[-1].completion_tokens == len(token_ids) == 9
+    assert [c.completion_tokens for c in chunks] == sorted(c.completion_tokens for c in chunks)
+    assert chunks[-1].finish_reason == "length"
+    assert all(c.finish_reason is None for c in chunks[:-1])
+    assert "".join(c.text for c in chunks) == tiny_tokenizer.decode(token_ids, skip_special_tokens=True)
+    assert chunks[0].prefill_time_ms is not None
+    assert sum(len(c.decode_times_ms) for c in chunks) == 8
+    assert engine.blocks.num_used_blocks == 0
+
+
+def test_request_processor_stop_string_ends_request(paged_model, tiny_tokenizer):
+    text = "Tell me about Paris."
+
+    async def body(aengine, request):
+        processor = RequestProcessor(aengine, tiny_tokenizer)
+        chunks = [c async for c in processor.generate(request)]
+        await _wait_idle(aengine.engine)
+        return chunks
+
+    engine = make_engine(paged_model, max_model_len=256)
+    full = asyncio.run(_with_async_engine(engine, lambda a: body(a, _chat_request(text, 24, ignore_eos=True))))
+    full_text = "".join(c.text for c in full)
+    visible = [ch for ch in full_text[4:] if ch != "\ufffd" and ch.strip()]
+    assert visible, f"no usable stop string in {full_text!r}"
+    stop = visible[0]
+    expected = full_text[: full_text.index(stop)]
+
+    engine = make_engine(paged_model, max_model_len=256)
+    request = _chat_request(text, 24, ignore_eos=True, stop=(stop,))
+    chunks = asyncio.run(_with_async_engine(engine, lambda a: body(a, request)))
+    assert "".join(c.text for c in chunks) == expected
+    assert chunks[-1].finish_reason == "stop" and chunks[-1].stop_reason == stop
+    assert chunks[-1].completion_tokens < 24
+    assert engine.blocks.num_used_blocks == 0 and engine.num_active == 0
+
+
+def test_request_processor_context_length_error(paged_model, tiny_tokenizer):
+    engine = make_engine(paged_model, max_model_len=16)
+
+    async def body(aengine):
+        processor = RequestProcessor(aengine, tiny_tokenizer)
+        return [c async for c in processor.generate(_chat_request("a long message " * 10, 4))]
+
+    chunks = asyncio.run(_with_async_engine(engine, body))
+    assert len(chunks) == 1
+    err = chunks[0].error
+    assert err is not None and err.status == 400 and err.code == "context_length_exceeded"
+    assert err.param == "max_tokens"
+
+
+def test_aborted_request_leaves_no_used_blocks(paged_model, tiny_tokenizer):
+    engine = make_engine(paged_model, num_blocks=256, max_model_len=512)
+    aborted = []
+    scheduler_abort = engine.scheduler.abort
+
+    def recording_abort(seq):
+        scheduler_abort(seq)
+        aborted.append((seq, seq.finish_reason))
+
+    engine.scheduler.abort = recording_abort
+
+    async def body(aengine):
+        processor = RequestProcessor(aengine, tiny_tokenizer)
+        gen = processor.generate(_chat_request("Hello!", 400, ignore_eos=True))
+        received = 0
+        async for chunk in gen:
+            received += len(chunk.token_ids)
+            if received >= 2:
+                break
+        await gen.aclose()
+        await _wait_idle(engine)
+        return received
+
+    received = asyncio.run(_with_async_engine(engine, body))
+    assert received >= 2
+    assert engine.blocks.num_used_blocks == 0
+    assert engine.num_active == 0
+    assert len(aborted) == 1
+    seq, reason = aborted[0]
+    assert reason is FinishReason.ABORT
+    assert seq.num_output_tokens < 400
+
+
+def test_engine_thread_failure_fails_every_stream(paged_model, tiny_tokenizer):
+    """A request added while the fatal step runs must fail too, not wait forever."""
+    engine = make_engine(paged_model)
+    in_step = threading.Event()
+    release = threading.Event()
+
+    def failing_step():
+        in_step.set()
+        release.wait(5)
+        raise RuntimeError("device lost")
+
+    engine.step = failing_step
+
+    async def body(aengine):
+        running = aengine.add_request([5, 6, 7], greedy(4))
+        await asyncio.get_running_loop().run_in_executor(None, in_step.wait, 5)
+        # Added while the failing step runs: the engine still looks alive.
+        assert aengine.alive
+        late = aengine.add_request([5, 6, 7, 8], greedy(4))
+        release.set()
+        for stream in (running, late):  # neither may hang
+            with pytest.raises(EngineDeadError):
+                await asyncio.wait_for(stream.next_batch(), timeout=5)
+        assert not aengine.alive
+        with pytest.raises(EngineDeadError):
+            aengine.add_request([5], greedy(1))
+        processor = RequestProcessor(aengine, tiny_tokenizer)
+        chunks = [c async for c in processor.generate(_chat_request("hi", 2))]
+        assert [c.error.code for c in chunks] == ["engine_dead"] and chunks[0].error.status == 503
+
+    asyncio.run(_with_async_engine(engine, body))
