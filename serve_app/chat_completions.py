@@ -6,6 +6,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from serve_app.errors import APIError
 from serve_app.protocol import (
@@ -14,11 +15,14 @@ from serve_app.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     Choice,
+    ChoiceLogprobs,
     ChunkChoice,
     Delta,
+    LogprobEntry,
+    TopLogprobEntry,
     Usage,
 )
-from workers.protocol import GenerateRequest, GenerationChunk
+from workers.protocol import GenerateRequest, GenerationChunk, TokenLogprob, TopLogprob
 from workers.sampling_params import SamplingParams
 
 
@@ -31,68 +35,134 @@ def to_generate_request(req: ChatCompletionRequest, request_id: str) -> Generate
     if unsupported is not None:
         raise APIError(400, f"`{unsupported}` is not supported by this server yet", param=unsupported,
                        code="unsupported_parameter")
-    top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
-    params = SamplingParams(
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=top_k,
-        seed=req.seed,
-        ignore_eos=req.ignore_eos,
-        stop=req.stop_list,
-        stop_token_ids=tuple(req.stop_token_ids or ()),
-        include_stop_str_in_output=req.include_stop_str_in_output,
-        skip_special_tokens=req.skip_special_tokens,
-    )
+    rule = req.cross_field_error()
+    if rule is not None:
+        raise APIError(400, rule[1], param=rule[0])
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     return GenerateRequest(
         request_id=request_id,
-        params=params,
+        params=sampling_params(req),
         messages=messages,
         max_tokens=req.output_cap,
         chat_template_kwargs=dict(req.chat_template_kwargs or {}),
     )
 
 
-class CompletionAccumulator:
-    """Folds worker chunks into one non-streaming `chat.completion`."""
+def sampling_params(req: ChatCompletionRequest) -> SamplingParams:
+    """The request's sampling fields with OpenAI's defaults for those left out."""
+    def given(value, default):
+        return default if value is None else value
 
-    def __init__(self, request_id: str, model: str) -> None:
+    return SamplingParams(
+        temperature=given(req.temperature, 1.0),
+        top_p=given(req.top_p, 1.0),
+        top_k=req.top_k if req.top_k is not None and req.top_k > 0 else 0,
+        min_p=given(req.min_p, 0.0),
+        seed=req.seed,
+        presence_penalty=given(req.presence_penalty, 0.0),
+        frequency_penalty=given(req.frequency_penalty, 0.0),
+        repetition_penalty=given(req.repetition_penalty, 1.0),
+        logit_bias={int(k): float(v) for k, v in (req.logit_bias or {}).items()},
+        ignore_eos=req.ignore_eos,
+        min_tokens=given(req.min_tokens, 0),
+        stop=req.stop_list,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
+        logprobs=given(req.top_logprobs, 0) if req.logprobs else None,
+        prompt_logprobs=req.prompt_logprobs,
+        n=req.n,
+    )
+
+
+def logprob_entries(items: list[TokenLogprob]) -> ChoiceLogprobs:
+    return ChoiceLogprobs(
+        content=[
+            LogprobEntry(
+                token=t.token,
+                logprob=t.logprob,
+                bytes=list(t.token.encode("utf-8")),
+                top_logprobs=[
+                    TopLogprobEntry(token=x.token, logprob=x.logprob, bytes=list(x.token.encode("utf-8")))
+                    for x in t.top_logprobs
+                ],
+            )
+            for t in items
+        ]
+    )
+
+
+def prompt_logprob_entries(items: list[dict[int, TopLogprob] | None]) -> list[dict[str, dict] | None]:
+    """vLLM's shape: per prompt token, {token id: {logprob, decoded_token}}; the first is null."""
+    return [
+        None if entry is None
+        else {str(tid): {"logprob": x.logprob, "decoded_token": x.token} for tid, x in entry.items()}
+        for entry in items
+    ]
+
+
+@dataclass
+class _ChoiceState:
+    texts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionAccumulator:
+    """Folds worker chunks (of all n choices) into one non-streaming `chat.completion`."""
+
+    def __init__(self, request_id: str, model: str, n: int = 1) -> None:
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
-        self.texts: list[str] = []
+        self.choices = [_ChoiceState() for _ in range(n)]
         self.last: GenerationChunk | None = None
+        self.prompt_logprobs: list | None = None
         self.prefill_time: float | None = None
         self.decode_times: list[float] = []
 
     def add(self, chunk: GenerationChunk) -> None:
         if chunk.error is not None:
             raise APIError.from_info(chunk.error)
-        self.texts.append(chunk.text)
-        if chunk.prefill_time_ms is not None:
-            self.prefill_time = round(chunk.prefill_time_ms, 3)
-        self.decode_times.extend(round(t, 3) for t in chunk.decode_times_ms)
+        state = self.choices[chunk.index]
+        state.texts.append(chunk.text)
+        if chunk.logprobs is not None:
+            state.logprobs = (state.logprobs or []) + chunk.logprobs
+        if chunk.finish_reason is not None:
+            state.finish_reason, state.stop_reason = chunk.finish_reason, chunk.stop_reason
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs = prompt_logprob_entries(chunk.prompt_logprobs)
+        if chunk.index == 0:  # MindIE timings describe the (first) answer
+            if chunk.prefill_time_ms is not None:
+                self.prefill_time = round(chunk.prefill_time_ms, 3)
+            self.decode_times.extend(round(t, 3) for t in chunk.decode_times_ms)
         self.last = chunk
 
     def result(self) -> ChatCompletion:
-        last = self.last or GenerationChunk()
-        choice = Choice(
-            index=0,
-            message=AssistantMessage(role="assistant", content="".join(self.texts)),
-            logprobs=None,
-            finish_reason=last.finish_reason,
-            stop_reason=last.stop_reason,
-        )
-        return ChatCompletion(
+        choices = [
+            Choice(
+                index=i,
+                message=AssistantMessage(role="assistant", content="".join(s.texts)),
+                logprobs=None if s.logprobs is None else logprob_entries(s.logprobs),
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for i, s in enumerate(self.choices)
+        ]
+        response = ChatCompletion(
             id=self.request_id,
             object="chat.completion",
             created=self.created,
             model=self.model,
-            choices=[choice],
-            usage=_usage(last),
+            choices=choices,
+            usage=usage_of(self.last or GenerationChunk()),
             prefill_time=self.prefill_time,
             decode_time_arr=self.decode_times,
         )
+        if self.prompt_logprobs is not None:
+            response.prompt_logprobs = self.prompt_logprobs
+        return response
 
 
 class ChunkStreamer:
@@ -106,7 +176,7 @@ class ChunkStreamer:
         self.include_usage = bool(options and options.include_usage)
         self.continuous_usage = bool(options and options.continuous_usage_stats)
         self.full_text_enabled = full_text_enabled
-        self.full_text = ""
+        self.full_texts = [""] * req.n
 
     async def events(self, first: GenerationChunk, rest: AsyncIterator[GenerationChunk]) -> AsyncIterator[str]:
         chunk: GenerationChunk | None = first
@@ -126,25 +196,31 @@ class ChunkStreamer:
         yield "data: [DONE]\n\n"
 
     def _chunk_event(self, chunk: GenerationChunk) -> str | None:
-        self.full_text += chunk.text
-        if not chunk.text and chunk.finish_reason is None:
+        self.full_texts[chunk.index] += chunk.text
+        has_news = chunk.text or chunk.finish_reason is not None or chunk.logprobs or chunk.prompt_logprobs
+        if not has_news:
             return None  # text held back (partial UTF-8 or a possible stop string)
-        content = self.full_text if self.full_text_enabled else chunk.text
+        content = self.full_texts[chunk.index] if self.full_text_enabled else chunk.text
         choice = ChunkChoice(
-            index=0, delta=Delta(role="assistant", content=content), logprobs=None, finish_reason=chunk.finish_reason
+            index=chunk.index,
+            delta=Delta(role="assistant", content=content),
+            logprobs=None if chunk.logprobs is None else logprob_entries(chunk.logprobs),
+            finish_reason=chunk.finish_reason,
         )
         if chunk.finish_reason is not None and chunk.stop_reason is not None:
             choice.stop_reason = chunk.stop_reason
         event = self._envelope([choice])
         if self.continuous_usage:
-            event.usage = _usage(chunk)
+            event.usage = usage_of(chunk)
         if self.full_text_enabled and chunk.finish_reason is not None:
-            event.full_text = self.full_text
+            event.full_text = self.full_texts[chunk.index]
+        if chunk.prompt_logprobs is not None:
+            event.prompt_logprobs = prompt_logprob_entries(chunk.prompt_logprobs)
         return sse_json(event.dump_json())
 
     def _usage_event(self, last: GenerationChunk) -> str:
         event = self._envelope([])
-        event.usage = _usage(last)
+        event.usage = usage_of(last)
         return sse_json(event.dump_json())
 
     def _envelope(self, choices: list[ChunkChoice]) -> ChatCompletionChunk:
@@ -153,7 +229,7 @@ class ChunkStreamer:
         )
 
 
-def _usage(chunk: GenerationChunk) -> Usage:
+def usage_of(chunk: GenerationChunk) -> Usage:
     return Usage(
         prompt_tokens=chunk.prompt_tokens,
         completion_tokens=chunk.completion_tokens,

@@ -17,6 +17,16 @@ class ServerOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     full_text_enabled: bool = Field(False, description="MindIE fullTextEnabled: deltas carry the whole text")
     max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    # API keys (serve_app/auth.py). Neither set: no auth. Either set: every route but
+    # GET /health needs `Authorization: Bearer <key>`, and the ingress refuses to start
+    # if they yield no key. Both are read in the ingress replica, not where `serve run` runs.
+    api_keys_env: str | None = Field(
+        None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="name of an environment variable holding comma-separated API keys, e.g. CHATSERVE_API_KEYS",
+    )
+    api_keys_file: str | None = Field(
+        None, min_length=1, description="path of a file with one API key per line; lines starting with '#' are comments"
+    )
 
 
 class AppConfig(BaseModel):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
@@ -36,8 +38,11 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
     @classmethod
-    def from_info(cls, info: ErrorInfo) -> "APIError":
-        return cls(info.status, info.message, info.type, info.param, info.code)
+    def from_info(cls, info: ErrorInfo, param_names: Mapping[str, str] | None = None) -> "APIError":
+        """A worker's error; `param_names` renames the worker's field names (those of
+        /v1/chat/completions) to the route's own, e.g. `max_tokens` -> `max_completion_tokens`."""
+        param = info.param if param_names is None else param_names.get(info.param, info.param)
+        return cls(info.status, info.message, info.type, param, info.code)
 
 
 def validation_error(exc: ValidationError) -> APIError:
@@ -47,6 +52,16 @@ def validation_error(exc: ValidationError) -> APIError:
     param = ".".join(parts) or None
     message = err["msg"] if param is None else f"{param}: {err['msg']}"
     return APIError(400, message, param=param)
+
+
+def unsupported(field: str, detail: str = "is not supported by this server yet") -> APIError:
+    """A known field set to a value this server does not honour: 400, never a silently different answer."""
+    return APIError(400, f"`{field}` {detail}", param=field, code="unsupported_parameter")
+
+
+def unauthorized(message: str) -> APIError:
+    """401 in OpenAI's shape; the message must never contain the presented key."""
+    return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
 def not_found_model(model: str, served: list[str]) -> APIError:

@@ -1,17 +1,24 @@
-"""The Ray Serve ingress deployment: HTTP routes, validation, streaming, errors.
+"""The Ray Serve ingress deployment: HTTP routes, API keys, validation, streaming, errors.
 
-It holds no model: each request is validated here, then sent to the worker
-deployment of the requested model through a streaming `DeploymentHandle` call. The
-first worker chunk is awaited before the response starts, so errors found by the
-worker (context window, template) still get their own status code; after that,
-errors travel as a final SSE event before `[DONE]`.
+It holds no model: each request is checked against the API keys (serve_app/auth.py),
+validated here, then sent to the worker deployment of the requested model through a
+streaming `DeploymentHandle` call. The first worker chunk is awaited before the
+response starts, so errors found by the worker (context window, template) still get
+their own status code; after that, errors travel as a final SSE event before `[DONE]`.
+
+Routes and the module that holds each dialect: `/v1/chat/completions`
+(chat_completions.py), `/lm/v2/chat/completions` (lm_v2.py), `/v1/completions`
+(completions.py). Each dialect supplies a request -> GenerateRequest translation, a
+streamer (`events(first, rest)` -> SSE text) and an accumulator (`add(chunk)`,
+`result().dump_json()`); the worker call itself is `_respond`, shared by all.
 """
 
 
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from pydantic import ValidationError
@@ -20,6 +27,8 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from serve_app import completions, lm_v2
+from serve_app.auth import APIKeyAuth
 from serve_app.chat_completions import (
     ChunkStreamer,
     CompletionAccumulator,
@@ -29,11 +38,13 @@ from serve_app.chat_completions import (
 from serve_app.config import AppConfig
 from serve_app.errors import APIError, not_found_model, validation_error
 from serve_app.protocol import ChatCompletionRequest, ModelCard, ModelList
-from workers.protocol import GenerationChunk, ModelInfo
+from workers.protocol import GenerateRequest, GenerationChunk, ModelInfo
 
 logger = logging.getLogger("chatserve.ingress")
 
-api = FastAPI(title="chatserve", version="0.1.0")
+# No /docs, /redoc, /openapi.json: the routes read raw bodies, so the schema would say
+# nothing, and with API keys on every route but /health must need a key.
+api = FastAPI(title="chatserve", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
 
 
 @api.exception_handler(APIError)
@@ -60,6 +71,23 @@ async def read_json_body(request: Request, limit: int) -> dict:
     return data
 
 
+def parse_request(model_cls: type, data: dict) -> Any:
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+class Streamer(Protocol):
+    def events(self, first: GenerationChunk, rest: AsyncIterator[GenerationChunk]) -> AsyncIterator[str]: ...
+
+
+class Accumulator(Protocol):
+    def add(self, chunk: GenerationChunk) -> None: ...
+
+    def result(self) -> Any: ...  # has dump_json() -> str
+
+
 async def _cancel_on_exit(events: AsyncIterator[str], stream) -> AsyncIterator[str]:
     """Forward SSE events; if the client leaves early, cancel the worker call too."""
     finished = False
@@ -72,11 +100,26 @@ async def _cancel_on_exit(events: AsyncIterator[str], stream) -> AsyncIterator[s
             stream.cancel()
 
 
+async def _accumulate(acc: Accumulator, first: GenerationChunk, stream) -> str:
+    """Fold the whole worker stream into one JSON body; cancel the worker call on error or exit."""
+    finished = False
+    try:
+        acc.add(first)
+        async for chunk in stream:
+            acc.add(chunk)
+        finished = True
+    finally:
+        if not finished:
+            stream.cancel()
+    return acc.result().dump_json()
+
+
 @serve.deployment(name="ChatIngress")
 @serve.ingress(api)
 class ChatIngress:
     def __init__(self, app_config: dict, workers: dict[str, DeploymentHandle]) -> None:
         self.config = AppConfig.model_validate(app_config)
+        self.auth = APIKeyAuth.from_options(self.config.server)  # reads the key env var / file here
         self.workers = workers
         self._infos: dict[str, ModelInfo] = {}
         self.created = int(time.time())
@@ -86,7 +129,8 @@ class ChatIngress:
         return {"status": "ok"}
 
     @api.get("/v1/models")
-    async def list_models(self) -> Response:
+    async def list_models(self, request: Request) -> Response:
+        self.auth.check(request.headers.get("authorization"))
         cards = []
         for model_id in self.workers:
             info = await self._info(model_id)
@@ -98,25 +142,56 @@ class ChatIngress:
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
-        data = await read_json_body(request, self.config.server.max_request_bytes)
-        try:
-            req = ChatCompletionRequest.model_validate(data)
-        except ValidationError as exc:
-            raise validation_error(exc) from None
+        req = await self._parse(request, ChatCompletionRequest)
         handle = self._worker(req.model)
         request_id = new_request_id()
         gen_request = to_generate_request(req, request_id)
-        stream = handle.options(stream=True).generate.remote(gen_request)
-        first = await self._first_chunk(stream)
         if req.stream:
-            streamer = ChunkStreamer(request_id, req, self.config.server.full_text_enabled)
-            return StreamingResponse(_cancel_on_exit(streamer.events(first, stream), stream),
+            output = ChunkStreamer(request_id, req, self.config.server.full_text_enabled)
+        else:
+            output = CompletionAccumulator(request_id, req.model)
+        return await self._respond(handle, gen_request, req.stream, output)
+
+    @api.post("/lm/v2/chat/completions")
+    async def lm_v2_chat_completions(self, request: Request) -> Response:
+        req = await self._parse(request, lm_v2.LmV2ChatRequest)
+        handle = self._worker(req.model)
+        request_id = lm_v2.new_request_id()
+        gen_request = lm_v2.to_generate_request(req, request_id)
+        if req.stream:
+            output = lm_v2.LmV2Streamer(request_id, req)
+        else:
+            output = lm_v2.LmV2Accumulator(request_id, req.model)
+        return await self._respond(handle, gen_request, req.stream, output, lm_v2.WORKER_PARAM_NAMES)
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        req = await self._parse(request, completions.CompletionRequest)
+        handle = self._worker(req.model)
+        request_id = completions.new_request_id()
+        gen_request = completions.to_generate_request(req, request_id)
+        await self._check_token_ids(req.model, gen_request.params.logit_bias, "logit_bias")
+        if req.stream:
+            output = completions.CompletionStreamer(request_id, req)
+        else:
+            output = completions.CompletionAccumulator(request_id, req)
+        return await self._respond(handle, gen_request, req.stream, output, completions.WORKER_PARAM_NAMES)
+
+    async def _parse(self, request: Request, model_cls: type) -> Any:
+        """API key, then body size, JSON and fields: the request model or an APIError."""
+        self.auth.check(request.headers.get("authorization"))
+        data = await read_json_body(request, self.config.server.max_request_bytes)
+        return parse_request(model_cls, data)
+
+    async def _respond(self, handle: DeploymentHandle, gen_request: GenerateRequest, stream_response: bool,
+                       output: Streamer | Accumulator, param_names: Mapping[str, str] | None = None) -> Response:
+        """Call the worker; await its first chunk (so its errors keep their status); then SSE or JSON."""
+        stream = handle.options(stream=True).generate.remote(gen_request)
+        first = await self._first_chunk(stream, param_names)
+        if stream_response:
+            return StreamingResponse(_cancel_on_exit(output.events(first, stream), stream),
                                      media_type="text/event-stream")
-        acc = CompletionAccumulator(request_id, req.model)
-        acc.add(first)
-        async for chunk in stream:
-            acc.add(chunk)
-        return Response(acc.result().dump_json(), media_type="application/json")
+        return Response(await _accumulate(output, first, stream), media_type="application/json")
 
     def _worker(self, model: str) -> DeploymentHandle:
         handle = self.workers.get(model)
@@ -124,7 +199,17 @@ class ChatIngress:
             raise not_found_model(model, list(self.workers))
         return handle
 
-    async def _first_chunk(self, stream) -> GenerationChunk:
+    async def _check_token_ids(self, model: str, token_ids, param: str) -> None:
+        """Token ids the sampler would index with must exist in the model's vocabulary."""
+        if not token_ids:
+            return
+        vocab_size = (await self._info(model)).vocab_size
+        bad = sorted(t for t in token_ids if t >= vocab_size)
+        if bad:
+            raise APIError(400, f"{param}: token ids {bad[:5]} are outside the vocabulary (size {vocab_size})",
+                           param=param)
+
+    async def _first_chunk(self, stream, param_names: Mapping[str, str] | None = None) -> GenerationChunk:
         try:
             first = await stream.__anext__()
         except BackPressureError as exc:
@@ -134,7 +219,7 @@ class ChatIngress:
             raise APIError(500, "the worker ended the request without output", type="internal_error") from None
         if first.error is not None:
             stream.cancel()
-            raise APIError.from_info(first.error)
+            raise APIError.from_info(first.error, param_names)
         return first
 
     async def _info(self, model_id: str) -> ModelInfo:

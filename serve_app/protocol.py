@@ -51,16 +51,6 @@ class StreamOptions(_Request):
 # Fields that change what the model outputs and are not implemented yet: a request
 # that sets one to a non-neutral value gets a 400 instead of a silently different answer.
 UNSUPPORTED_UNLESS_NEUTRAL: dict[str, Any] = {
-    "n": 1,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "min_p": 0.0,
-    "min_tokens": 0,
-    "logit_bias": None,
-    "logprobs": False,
-    "top_logprobs": None,
-    "prompt_logprobs": None,
     "use_beam_search": False,
     "best_of": None,
     "length_penalty": 1.0,
@@ -68,6 +58,9 @@ UNSUPPORTED_UNLESS_NEUTRAL: dict[str, Any] = {
     "tool_choice": None,
     "response_format": None,
 }
+
+MAX_STOP_STRINGS = 256
+MAX_LOGPROBS = 20
 
 
 class ChatCompletionRequest(_Request):
@@ -80,26 +73,26 @@ class ChatCompletionRequest(_Request):
     temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)  # None: 1.0
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)  # None: 1.0
     top_k: int | None = Field(None, ge=-1)  # None, 0 and -1: off
+    min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     ignore_eos: bool = False
-    n: int = Field(1, ge=1, le=128)
+    min_tokens: int | None = Field(None, ge=0)
+    n: int = Field(1, ge=1, le=64)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = None
     user: str | None = None
 
     # Known but not honoured yet (see UNSUPPORTED_UNLESS_NEUTRAL).
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    repetition_penalty: float | None = 1.0
-    min_p: float | None = 0.0
-    min_tokens: int | None = 0
-    logit_bias: dict[str, float] | None = None
-    logprobs: bool | None = False
-    top_logprobs: int | None = None
-    prompt_logprobs: int | None = None
     use_beam_search: bool | None = False
     best_of: int | None = None
     length_penalty: float | None = 1.0
@@ -114,7 +107,25 @@ class ChatCompletionRequest(_Request):
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if any(s == "" for s in stops):
             raise ValueError("stop strings must be non-empty")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
         return self
+
+    def cross_field_error(self) -> tuple[str, str] | None:
+        """(param, message) for rules between fields that name one field, else None."""
+        if self.n > 1 and (self.temperature == 0 or self.top_k == 1):
+            return "n", "n > 1 needs sampling: greedy decoding (temperature 0 or top_k 1) would give n identical choices"
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs to be true"
+        cap = self.output_cap
+        if self.min_tokens and cap is not None and self.min_tokens > cap:
+            return "min_tokens", f"min_tokens ({self.min_tokens}) is larger than max_tokens ({cap})"
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.lstrip("-").isdigit() or int(key) < 0:
+                return "logit_bias", f"logit_bias keys must be token ids, got {key!r}"
+            if not -100.0 <= bias <= 100.0:
+                return "logit_bias", f"logit_bias values must be in [-100, 100], got {bias} for token {key}"
+        return None
 
     def unsupported_field(self) -> str | None:
         """The first known-but-unimplemented field set to a non-neutral value, if any."""
@@ -155,10 +166,27 @@ class AssistantMessage(_Response):
     content: str | None
 
 
+class TopLogprobEntry(_Response):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class LogprobEntry(_Response):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprobEntry]
+
+
+class ChoiceLogprobs(_Response):
+    content: list[LogprobEntry]
+
+
 class Choice(_Response):
     index: int
     message: AssistantMessage
-    logprobs: None
+    logprobs: ChoiceLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None = None
 
@@ -170,6 +198,7 @@ class ChatCompletion(_Response):
     model: str
     choices: list[Choice]
     usage: Usage
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM shape
     prefill_time: float | None = None  # ms to the first token (MindIE)
     decode_time_arr: list[float] | None = None  # ms per later token (MindIE)
 
@@ -182,7 +211,7 @@ class Delta(_Response):
 class ChunkChoice(_Response):
     index: int
     delta: Delta
-    logprobs: None
+    logprobs: ChoiceLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None = None
 
@@ -195,6 +224,7 @@ class ChatCompletionChunk(_Response):
     choices: list[ChunkChoice]
     usage: Usage | None = None
     full_text: str | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class ModelCard(_Response):

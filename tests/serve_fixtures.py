@@ -41,11 +41,11 @@ def tiny_app_args(model_dir, **engine) -> dict:
     }
 
 
-def wait_ready(url: str, timeout: float = 120) -> None:
+def wait_ready(url: str, timeout: float = 120, headers: dict[str, str] | None = None) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         try:
-            if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
+            if httpx.get(url + "/v1/models", headers=headers, timeout=5).status_code == 200:
                 return
         except httpx.HTTPError:
             pass

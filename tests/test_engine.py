@@ -47,7 +47,7 @@ def run_to_completion(engine: LLMEngine, max_steps: int = 2000) -> dict[int, lis
         if not engine.has_work():
             return events
         for ev in engine.step():
-            events.setdefault(ev.seq_id, []).append(ev)
+            events.setdefault(ev.request_id, []).append(ev)
     raise AssertionError("engine did not finish")
 
 
@@ -117,7 +117,7 @@ def test_request_added_mid_generation_joins_the_batch(tiny_model, paged_model, p
     events: dict[int, list[int]] = {}
     for _ in range(5):
         for ev in engine.step():
-            events.setdefault(ev.seq_id, []).append(ev.token_id)
+            events.setdefault(ev.request_id, []).append(ev.token_id)
     second = engine.add_request(prompts[4], greedy(12))
     for seq_id, evs in run_to_completion(engine).items():
         events.setdefault(seq_id, []).extend(e.token_id for e in evs)
@@ -179,7 +179,7 @@ def test_abort_mid_generation_frees_all_blocks(paged_model, prompts):
     assert engine.num_active == len(prompts) - 2
     seen = set()
     for _ in range(3):
-        seen |= {ev.seq_id for ev in engine.step()}
+        seen |= {ev.request_id for ev in engine.step()}
     assert ids[0] not in seen and ids[3] not in seen
     assert {ids[1], ids[2], ids[4]} <= seen
     for seq_id in ids:

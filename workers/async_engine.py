@@ -39,11 +39,12 @@ class _Abort:
 
 
 class RequestStream:
-    """Tokens of one request, as the engine produces them."""
+    """Tokens of one request (all its choices), as the engine produces them."""
 
-    def __init__(self) -> None:
-        self.seq_id: int | None = None
+    def __init__(self, num_choices: int = 1) -> None:
+        self.request_id: int | None = None
         self._queue: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
+        self.unfinished_choices = num_choices
         self.finished = False
 
     def put(self, item: TokenEvent | BaseException) -> None:
@@ -62,8 +63,8 @@ class RequestStream:
     async def __aiter__(self) -> AsyncIterator[list[TokenEvent]]:
         while not self.finished:
             events = await self.next_batch()
-            if events[-1].finish_reason is not None:
-                self.finished = True
+            self.unfinished_choices -= sum(e.finish_reason is not None for e in events)
+            self.finished = self.unfinished_choices <= 0
             yield events
 
 
@@ -97,7 +98,7 @@ class AsyncEngine:
         if not self.alive:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
         self.engine.check_request(prompt_token_ids, params)
-        stream = RequestStream()
+        stream = RequestStream(params.n)
         self._commands.put(_Add(prompt_token_ids, params, stream))
         self._wake.set()
         if self.error is not None:
@@ -113,7 +114,7 @@ class AsyncEngine:
     # --- engine thread -------------------------------------------------------------
 
     def _run(self) -> None:
-        # `self._streams` (seq_id -> stream) belongs to this thread alone.
+        # `self._streams` (request id -> stream) belongs to this thread alone.
         try:
             while not self._stopped:
                 self._drain_commands()
@@ -144,11 +145,11 @@ class AsyncEngine:
     def _route(self, events: list[TokenEvent]) -> list[tuple[RequestStream, TokenEvent]]:
         routed = []
         for event in events:
-            stream = self._streams.get(event.seq_id)
+            stream = self._streams.get(event.request_id)
             if stream is None:
                 continue
-            if event.finish_reason is not None:
-                del self._streams[event.seq_id]
+            if event.finish_reason is not None and not self.engine.is_active(event.request_id):
+                del self._streams[event.request_id]  # its last choice just finished
             routed.append((stream, event))
         return routed
 
@@ -160,15 +161,15 @@ class AsyncEngine:
                 return
             if isinstance(cmd, _Add):
                 try:
-                    seq_id = self.engine.add_request(cmd.prompt_token_ids, cmd.params)
+                    request_id = self.engine.add_request(cmd.prompt_token_ids, cmd.params)
                 except Exception as exc:  # noqa: BLE001 - fails this request only
                     self._loop.call_soon_threadsafe(_deliver, [(cmd.stream, exc)])
                     continue
-                cmd.stream.seq_id = seq_id
-                self._streams[seq_id] = cmd.stream
-            elif cmd.stream.seq_id is not None:
-                self.engine.abort_request(cmd.stream.seq_id)
-                self._streams.pop(cmd.stream.seq_id, None)
+                cmd.stream.request_id = request_id
+                self._streams[request_id] = cmd.stream
+            elif cmd.stream.request_id is not None:
+                self.engine.abort_request(cmd.stream.request_id)
+                self._streams.pop(cmd.stream.request_id, None)
 
 
 def _deliver(routed: list[tuple[RequestStream, TokenEvent | BaseException]]) -> None:

@@ -47,6 +47,16 @@ class PagedKVCache:
         self.keys = torch.zeros(dims, dtype=shape.dtype, device=device)
         self.values = torch.zeros(dims, dtype=shape.dtype, device=device)
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (all layers) for copy-on-write: [(source, destination), ...]."""
+        if not pairs:
+            return
+        bs = self.block_size
+        src = torch.tensor([s * bs + i for s, _ in pairs for i in range(bs)], device=self.keys.device)
+        dst = torch.tensor([d * bs + i for _, d in pairs for i in range(bs)], device=self.keys.device)
+        self.keys[:, dst] = self.keys[:, src]
+        self.values[:, dst] = self.values[:, src]
+
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[layer_idx], self.values[layer_idx]
 

@@ -33,12 +33,22 @@ class ScheduledChunk:
         return cls(seq, num_tokens, seq.num_computed_tokens + num_tokens == seq.num_tokens)
 
 
+@dataclass(frozen=True)
+class PromptLogitRows:
+    """Logits rows (after the S sampling rows) that score prompt tokens of one chunk."""
+
+    seq: Sequence
+    first_position: int  # the row for position p predicts prompt token p + 1
+    count: int
+
+
 @dataclass
 class ModelInputs:
     input_ids: torch.Tensor  # [1, T]
     position_ids: torch.Tensor  # [1, T]
-    logits_indices: torch.Tensor  # [S]
+    logits_indices: torch.Tensor  # [S + prompt rows]
     attn_metadata: AttentionMetadata
+    prompt_rows: list[PromptLogitRows]
 
 
 class ModelRunner:
@@ -49,8 +59,11 @@ class ModelRunner:
         self.device = device
 
     @torch.inference_mode()
-    def forward(self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]) -> torch.Tensor:
-        """Run one step; return float32 logits [S, V] for the sampling chunks, decodes first."""
+    def forward(
+        self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]
+    ) -> tuple[torch.Tensor, list[PromptLogitRows]]:
+        """Run one step. Returns float32 logits: first one row per sampling chunk (decodes
+        first), then the prompt-logprob rows described by the returned list."""
         inputs = self.prepare(decodes, prefills)
         out = self.model(
             input_ids=inputs.input_ids,
@@ -59,7 +72,7 @@ class ModelRunner:
             logits_to_keep=inputs.logits_indices,
             use_cache=False,
         )
-        return out.logits[0].float()
+        return out.logits[0].float(), inputs.prompt_rows
 
     def prepare(self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]) -> ModelInputs:
         bs = self.block_size
@@ -75,6 +88,8 @@ class ModelRunner:
         pos_parts = [torch.tensor(positions, dtype=torch.long)]
         slot_parts = [torch.tensor(slots, dtype=torch.long)]
         logits_indices = list(range(len(decodes)))
+        prompt_indices: list[int] = []
+        prompt_rows: list[PromptLogitRows] = []
         spans: list[PrefillSpan] = []
         offset = len(decodes)
         for chunk in prefills:
@@ -86,6 +101,10 @@ class ModelRunner:
             pos_parts.append(all_pos[start:])
             slot_parts.append(all_slots[start:])
             spans.append(self._prefill_span(offset, start, n, all_slots))
+            rows = _prompt_logprob_rows(seq, start, n)
+            if rows is not None:
+                prompt_rows.append(rows)
+                prompt_indices.extend(range(offset + rows.first_position - start, offset + rows.first_position - start + rows.count))
             offset += n
             if chunk.samples:
                 logits_indices.append(offset - 1)
@@ -102,8 +121,9 @@ class ModelRunner:
         return ModelInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.long, device=device).unsqueeze(0),
             position_ids=torch.cat(pos_parts).to(device).unsqueeze(0),
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
+            logits_indices=torch.tensor(logits_indices + prompt_indices, dtype=torch.long, device=device),
             attn_metadata=metadata,
+            prompt_rows=prompt_rows,
         )
 
     def _slots(self, block_table: list[int], positions: torch.Tensor) -> torch.Tensor:
@@ -131,3 +151,11 @@ class ModelRunner:
         kmax = int(ctx_lens.max())
         mask = torch.arange(kmax).unsqueeze(0) < ctx_lens.unsqueeze(1)
         return slots[:, :kmax].to(self.device), mask.view(len(tables), 1, 1, kmax).to(self.device)
+
+
+def _prompt_logprob_rows(seq: Sequence, start: int, n: int) -> PromptLogitRows | None:
+    """Positions of this chunk whose logits score a later prompt token, if the request asks."""
+    if seq.params.prompt_logprobs is None or seq.num_output_tokens > 0:
+        return None  # not asked, or a recompute after preemption (already scored)
+    end = min(start + n, seq.num_prompt_tokens - 1)
+    return PromptLogitRows(seq, start, end - start) if end > start else None

@@ -32,10 +32,32 @@ class ErrorInfo:
     code: str | None = None
 
 
+@dataclass(frozen=True)
+class TopLogprob:
+    token: str
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability under the model, with the k most likely."""
+
+    token: str
+    token_id: int
+    logprob: float
+    top_logprobs: list[TopLogprob]
+
+
 @dataclass
 class GenerationChunk:
-    """New output since the previous chunk of the same request."""
+    """New output since the previous chunk of the same choice of a request.
 
+    With n > 1 the chunks of all choices interleave; `index` says whose it is and
+    `finish_reason` ends that choice only. Usage counts are per request (all choices).
+    """
+
+    index: int = 0
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
@@ -44,6 +66,9 @@ class GenerationChunk:
     completion_tokens: int = 0  # running total
     prefill_time_ms: float | None = None  # on the chunk that carries the first token
     decode_times_ms: list[float] = field(default_factory=list)  # one per later token
+    logprobs: list[TokenLogprob] | None = None  # one per token of `text`, when asked
+    prompt_logprobs: list[dict[int, TopLogprob] | None] | None = None  # first chunk only, when asked
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: ErrorInfo | None = None
 
 

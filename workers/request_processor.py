@@ -12,12 +12,13 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from workers.async_engine import AsyncEngine, EngineDeadError
 from workers.detokenizer import IncrementalDetokenizer
 from workers.engine import CapacityError, TokenEvent
 from workers.prompts import PromptBuilder, PromptError
-from workers.protocol import ErrorInfo, GenerateRequest, GenerationChunk
+from workers.protocol import ErrorInfo, GenerateRequest, GenerationChunk, TokenLogprob, TopLogprob
 from workers.sampling_params import SamplingParams
 from workers.sequence import FinishReason
 from workers.stop_strings import StopStringMatcher
@@ -49,18 +50,45 @@ class RequestProcessor:
             yield GenerationChunk(error=ErrorInfo(503, str(exc), type="server_error", code="engine_dead"))
             return
 
-        state = _OutputState(self.tokenizer, prompt_ids, params, arrival)
+        states = [_OutputState(self.tokenizer, prompt_ids, params, arrival) for _ in range(params.n)]
+        usage = _Usage(len(prompt_ids))
         try:
             async for events in stream:
-                chunk = state.consume(events)
-                yield chunk
-                if chunk.finish_reason is not None:
+                for chunk in self._chunks(events, states, usage):
+                    yield chunk
+                if all(state.finished for state in states):
                     return
         except EngineDeadError as exc:
             yield GenerationChunk(error=ErrorInfo(500, str(exc), type="server_error", code="engine_dead"))
         finally:
-            # Stop string matched, client went away, or an error: free the sequence now.
+            # Stop string matched, client went away, or an error: free the sequences now.
             self.engine.abort(stream)
+
+    def _chunks(self, events: list[TokenEvent], states: list["_OutputState"], usage: "_Usage") -> list[GenerationChunk]:
+        """One chunk per choice that has news in this batch of events, in choice order."""
+        by_choice: dict[int, list[TokenEvent]] = {}
+        for event in events:
+            by_choice.setdefault(event.index, []).append(event)
+        chunks = []
+        for index in sorted(by_choice):
+            state = states[index]
+            if state.finished:
+                continue  # tokens sampled after a stop string matched, before the abort landed
+            chunk = state.consume(by_choice[index], usage)
+            chunk.index = index
+            if chunk.prompt_logprobs is None and by_choice[index][0].prompt_logprobs is not None:
+                chunk.prompt_logprobs = self._prompt_logprobs(by_choice[index][0].prompt_logprobs, state.prompt_ids)
+            chunks.append(chunk)
+        return chunks
+
+    def _prompt_logprobs(self, scored, prompt_ids: list[int]) -> list[dict[int, TopLogprob] | None]:
+        decode = self.tokenizer.decode
+        out: list[dict[int, TopLogprob] | None] = [None]  # the first prompt token has no context
+        for token_id, logprob, top in scored:
+            entry = {tid: TopLogprob(decode([tid]), tid, lp) for tid, lp in top}
+            entry[token_id] = TopLogprob(decode([token_id]), token_id, logprob)
+            out.append(entry)
+        return out
 
     def _resolve_params(self, request: GenerateRequest, num_prompt_tokens: int) -> SamplingParams:
         max_tokens = request.max_tokens
@@ -69,26 +97,41 @@ class RequestProcessor:
         return dataclasses.replace(request.params, max_tokens=max_tokens)
 
 
+@dataclass
+class _Usage:
+    prompt_tokens: int
+    completion_tokens: int = 0  # all choices
+
+
 class _OutputState:
-    """Detokenizer, stop matcher, counters and timings of one request."""
+    """Detokenizer, stop matcher, timings and logprobs of one choice of a request."""
 
     def __init__(self, tokenizer, prompt_ids: list[int], params: SamplingParams, arrival: float) -> None:
+        self.tokenizer = tokenizer
         self.params = params
-        self.prompt_tokens = len(prompt_ids)
-        self.completion_tokens = 0
+        self.prompt_ids = prompt_ids
+        self.num_tokens = 0
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
         self.stops = StopStringMatcher(params.stop, params.include_stop_str_in_output)
         self.last_time = arrival
+        self.finished = False
 
-    def consume(self, events: list[TokenEvent]) -> GenerationChunk:
-        chunk = GenerationChunk(prompt_tokens=self.prompt_tokens)
+    def consume(self, events: list[TokenEvent], usage: _Usage) -> GenerationChunk:
+        chunk = GenerationChunk(prompt_tokens=usage.prompt_tokens)
+        if self.params.logprobs is not None:
+            chunk.logprobs = []
         texts: list[str] = []
         for event in events:
             self._time(chunk, event.time)
-            self.completion_tokens += 1
+            self.num_tokens += 1
+            usage.completion_tokens += 1
             chunk.token_ids.append(event.token_id)
             if self._shows_token(event):
-                texts.append(self.stops.push(self.detok.push(event.token_id)))
+                # Stop strings only count once min_tokens are out (as vLLM).
+                armed = self.num_tokens >= self.params.min_tokens
+                texts.append(self.stops.push(self.detok.push(event.token_id), armed))
+            if chunk.logprobs is not None and event.logprob is not None:
+                chunk.logprobs.append(self._token_logprob(event))
             if self.stops.matched is not None:
                 chunk.finish_reason, chunk.stop_reason = FinishReason.STOP.value, self.stops.matched
                 break
@@ -97,9 +140,15 @@ class _OutputState:
                 chunk.finish_reason = event.finish_reason.value
                 chunk.stop_reason = event.stop_token_id
                 break
+        self.finished = chunk.finish_reason is not None
         chunk.text = "".join(texts)
-        chunk.completion_tokens = self.completion_tokens
+        chunk.completion_tokens = usage.completion_tokens
         return chunk
+
+    def _token_logprob(self, event: TokenEvent) -> TokenLogprob:
+        decode = self.tokenizer.decode
+        top = [TopLogprob(decode([tid]), tid, lp) for tid, lp in event.top_logprobs or []]
+        return TokenLogprob(decode([event.token_id]), event.token_id, event.logprob, top)
 
     def _shows_token(self, event: TokenEvent) -> bool:
         """The EOS or stop token that ends a request is not part of its text."""
@@ -109,7 +158,7 @@ class _OutputState:
 
     def _time(self, chunk: GenerationChunk, when: float) -> None:
         elapsed_ms = (when - self.last_time) * 1000.0
-        if self.completion_tokens == 0:
+        if self.num_tokens == 0:
             chunk.prefill_time_ms = elapsed_ms
         else:
             chunk.decode_times_ms.append(elapsed_ms)

@@ -1,4 +1,9 @@
-"""Batched sampling: per-row temperature, top-k, top-p and seeds as tensor operations.
+"""Batched sampling: per-row penalties, logit bias, temperature, top-k, top-p, min-p and
+seeds, as tensor operations over the whole batch.
+
+Order (as vLLM): logit bias and min_tokens bans, then repetition / frequency /
+presence penalties, then greedy rows take the argmax; the other rows are divided by
+their temperature and cut by top-k, top-p and min-p.
 
 Sampling is by inverse CDF: one uniform number per row, located in the row's
 cumulative distribution with `searchsorted`. That needs one random number per row
@@ -18,6 +23,49 @@ from workers.sequence import Sequence
 
 
 @dataclass
+class PenaltyTensors:
+    """Only built when some row has a penalty; rows without one carry neutral values."""
+
+    output_counts: torch.Tensor  # [S, V] how often each token was generated
+    seen_anywhere: torch.Tensor  # [S, V] bool: in the prompt or the output
+    repetition: torch.Tensor  # [S]
+    frequency: torch.Tensor  # [S]
+    presence: torch.Tensor  # [S]
+
+    @classmethod
+    def build(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> "PenaltyTensors":
+        outputs = [s.output_token_ids if s.params.has_penalties else [] for s in seqs]
+        prompts = [s.token_ids[: s.num_prompt_tokens] if s.params.repetition_penalty != 1.0 else [] for s in seqs]
+        counts = _token_counts(outputs, vocab_size, device)
+        seen = (_token_counts(prompts, vocab_size, device) > 0) | (counts > 0)
+        params = [s.params for s in seqs]
+        return cls(
+            output_counts=counts,
+            seen_anywhere=seen,
+            repetition=torch.tensor([p.repetition_penalty for p in params], device=device),
+            frequency=torch.tensor([p.frequency_penalty for p in params], device=device),
+            presence=torch.tensor([p.presence_penalty for p in params], device=device),
+        )
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        rep = self.repetition.unsqueeze(1)
+        scaled = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(self.seen_anywhere, scaled, logits)
+        logits = logits - self.frequency.unsqueeze(1) * self.output_counts
+        return logits - self.presence.unsqueeze(1) * (self.output_counts > 0).to(logits.dtype)
+
+
+def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0)
+    counts = torch.zeros(len(rows), vocab_size + 1, device=device)
+    if width:
+        # Pad with an extra column id (vocab_size) that is dropped after counting.
+        padded = torch.tensor([r + [vocab_size] * (width - len(r)) for r in rows], device=device)
+        counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
+    return counts[:, :vocab_size]
+
+
+@dataclass
 class SamplingTensors:
     temperatures: torch.Tensor  # [S], greedy rows hold 1.0 (ignored)
     top_ks: torch.Tensor  # [S] long, vocab size where off
@@ -27,6 +75,9 @@ class SamplingTensors:
     all_greedy: bool
     needs_top_k: bool
     needs_top_p: bool
+    min_ps: torch.Tensor | None = None  # [S], None when no row uses min-p
+    penalties: PenaltyTensors | None = None
+    additive: tuple[list[int], list[int], list[float]] | None = None  # (rows, token ids, bias): bias and bans
 
     @classmethod
     def from_sequences(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> "SamplingTensors":
@@ -35,7 +86,9 @@ class SamplingTensors:
         temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
         top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
         top_ps = [p.top_p for p in params]
+        min_ps = [p.min_p for p in params]
         generators = [(i, s.generator) for i, s in enumerate(seqs) if s.generator is not None and not greedy[i]]
+        sampled = [not g for g in greedy]
         return cls(
             temperatures=torch.tensor(temps, dtype=torch.float32, device=device),
             top_ks=torch.tensor(top_ks, dtype=torch.long, device=device),
@@ -43,21 +96,51 @@ class SamplingTensors:
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
             generators=generators,
             all_greedy=all(greedy),
-            needs_top_k=any(k < vocab_size for k, g in zip(top_ks, greedy) if not g),
-            needs_top_p=any(p < 1.0 for p, g in zip(top_ps, greedy) if not g),
+            needs_top_k=any(k < vocab_size for k, s in zip(top_ks, sampled) if s),
+            needs_top_p=any(p < 1.0 for p, s in zip(top_ps, sampled) if s),
+            min_ps=torch.tensor(min_ps, device=device) if any(min_ps) else None,
+            penalties=PenaltyTensors.build(seqs, vocab_size, device) if any(p.has_penalties for p in params) else None,
+            additive=_additive_entries(seqs, vocab_size),
         )
+
+
+def _additive_entries(seqs: list[Sequence], vocab_size: int) -> tuple[list[int], list[int], list[float]] | None:
+    """logit_bias entries, and -inf for EOS / stop tokens while min_tokens is not reached."""
+    rows: list[int] = []
+    tokens: list[int] = []
+    values: list[float] = []
+    for row, seq in enumerate(seqs):
+        params = seq.params
+        for token, bias in params.logit_bias.items():
+            if 0 <= token < vocab_size:
+                rows.append(row)
+                tokens.append(token)
+                values.append(bias)
+        if seq.num_output_tokens < params.min_tokens:
+            banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(seq.eos_token_ids))
+            for token in banned:
+                if 0 <= token < vocab_size:
+                    rows.append(row)
+                    tokens.append(token)
+                    values.append(float("-inf"))
+    return (rows, tokens, values) if rows else None
 
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-        """logits [S, V] float32 -> sampled token ids [S]."""
+        """logits [S, V] float32 (left unchanged) -> sampled token ids [S]."""
+        logits = self.process(logits, st)
         greedy_tokens = logits.argmax(dim=-1)
         if st.all_greedy:
             return greedy_tokens
         logits = logits / st.temperatures.unsqueeze(1)
         if st.needs_top_k or st.needs_top_p:
             logits = self._apply_top_k_top_p(logits, st)
-        cdf = torch.softmax(logits, dim=-1).cumsum_(dim=-1)
+        probs = torch.softmax(logits, dim=-1)
+        if st.min_ps is not None:
+            floor = st.min_ps.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < floor, 0.0)
+        cdf = probs.cumsum_(dim=-1)
         uniform = torch.rand(cdf.shape[0], device=cdf.device)
         for row, generator in st.generators:
             uniform[row] = torch.rand(1, generator=generator, device=generator.device)[0]
@@ -66,6 +149,20 @@ class Sampler:
         targets = uniform.clamp_(min=1e-7) * cdf[:, -1]
         sampled = torch.searchsorted(cdf, targets.unsqueeze(1)).squeeze(1).clamp_(max=cdf.shape[1] - 1)
         return torch.where(st.greedy, greedy_tokens, sampled)
+
+    @staticmethod
+    def process(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+        """Bias, bans and penalties: what changes the distribution before the choice of token."""
+        if st.additive is not None:
+            rows, tokens, values = st.additive
+            logits = logits.index_put(
+                (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device)),
+                torch.tensor(values, dtype=logits.dtype, device=logits.device),
+                accumulate=True,
+            )
+        if st.penalties is not None:
+            logits = st.penalties.apply(logits)
+        return logits
 
     @staticmethod
     def _apply_top_k_top_p(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
@@ -79,3 +176,16 @@ class Sampler:
         cut[:, 0] = False  # the most likely token always stays
         sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
         return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, top_k: int
+) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """Log-probabilities of `targets` under the raw model distribution, plus each row's top k."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+    if top_k <= 0:
+        return chosen, [[] for _ in chosen]
+    values, ids = logprobs.topk(min(top_k, logprobs.shape[1]), dim=-1)
+    tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    return chosen, tops

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -10,21 +10,43 @@ class SamplingParams:
     """Validated per-request generation settings (validation happens at the API edge).
 
     temperature == 0 means greedy; top_k <= 0 means no top-k cut; top_p == 1 means no
-    nucleus cut. `stop` strings are matched on text by the request processor; token-level
-    rules (EOS, stop_token_ids, max_tokens) are applied by the engine.
+    nucleus cut; min_p == 0 means no min-p cut. Penalties follow OpenAI (presence and
+    frequency: additive, over generated tokens) and CTRL / vLLM (repetition:
+    multiplicative, over prompt and generated tokens). `stop` strings are matched on
+    text by the request processor; token-level rules (EOS, stop_token_ids,
+    min_tokens, max_tokens) are applied by the engine.
     """
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
     ignore_eos: bool = False
+    min_tokens: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None  # None: off; k >= 0: the sampled token's logprob plus the top k
+    prompt_logprobs: int | None = None  # None: off; k >= 0: per prompt token, plus the top k
+    n: int = 1  # independent samples sharing one prefill
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )

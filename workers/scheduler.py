@@ -31,6 +31,7 @@ class ScheduledBatch:
     decodes: list[ScheduledChunk] = field(default_factory=list)
     prefills: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, before the step
 
     @property
     def is_empty(self) -> bool:
@@ -102,7 +103,7 @@ class Scheduler:
             if not self.blocks.can_allocate(seq, n):
                 self._preempt(seq, batch)
                 continue
-            self.blocks.allocate(seq, n)
+            batch.block_copies.extend(self.blocks.allocate(seq, n))
             batch.add(ScheduledChunk.of(seq, n))
             budget -= n
         # Unscheduled sequences (budget ran out) keep their place; running stays oldest-first.
@@ -117,7 +118,7 @@ class Scheduler:
             if not self.blocks.can_allocate(seq, n):
                 break
             self.waiting.popleft()
-            self.blocks.allocate(seq, n)
+            batch.block_copies.extend(self.blocks.allocate(seq, n))
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.add(ScheduledChunk.of(seq, n))
@@ -131,11 +132,24 @@ class Scheduler:
 
     def complete_step(self, batch: ScheduledBatch, sampled: list[int]) -> list[tuple[Sequence, int, FinishReason | None]]:
         """Advance computed counts, append sampled tokens, retire finished sequences."""
+        self.advance(batch)
+        return self.append_tokens([c.seq for c in batch.sampling_chunks], sampled)
+
+    def advance(self, batch: ScheduledBatch) -> None:
+        """The step's tokens are now in the KV cache."""
         for chunk in batch.decodes + batch.prefills:
             chunk.seq.num_computed_tokens += chunk.num_tokens
+
+    def fork(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Start sibling choices right after `parent`, sharing its blocks."""
+        position = self.running.index(parent) + 1
+        for child in children:
+            self.blocks.fork(parent, child)
+        self.running[position:position] = children
+
+    def append_tokens(self, seqs: list[Sequence], sampled: list[int]) -> list[tuple[Sequence, int, FinishReason | None]]:
         results = []
-        for chunk, token in zip(batch.sampling_chunks, sampled):
-            seq = chunk.seq
+        for seq, token in zip(seqs, sampled):
             reason = seq.append_token(token)
             if reason is not None:
                 self.running.remove(seq)

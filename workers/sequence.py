@@ -36,6 +36,8 @@ class Sequence:
     params: SamplingParams
     eos_token_ids: frozenset[int]
     max_model_len: int
+    request_id: int = -1  # shared by the n choices of one request; -1: same as seq_id
+    index: int = 0  # which choice of its request
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
@@ -43,11 +45,37 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
     generator: torch.Generator | None = None
+    # (token_id, logprob, top [(id, logprob)]) per prompt position after the first.
+    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
+        if self.request_id < 0:
+            self.request_id = self.seq_id
         if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+            # Choice i of a seeded request draws from seed + i: reproducible, yet distinct.
+            self.generator = torch.Generator().manual_seed(self.params.seed + self.index)
+
+    def fork(self, seq_id: int, index: int) -> "Sequence":
+        """A sibling choice: same tokens and cache progress; blocks are shared by the caller."""
+        child = Sequence(
+            seq_id=seq_id,
+            token_ids=list(self.token_ids),
+            params=self.params,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+            request_id=self.request_id,
+            index=index,
+        )
+        child.num_prompt_tokens = self.num_prompt_tokens
+        child.num_computed_tokens = self.num_computed_tokens
+        child.status = self.status
+        return child
+
+    @property
+    def needs_fork(self) -> bool:
+        """Choice 0 of an n > 1 request that has just finished its prompt."""
+        return self.params.n > 1 and self.index == 0 and self.num_output_tokens == 0
 
     @property
     def num_tokens(self) -> int:

@@ -15,13 +15,19 @@ class StopStringMatcher:
         self.text = ""  # all text accepted so far (truncated at a stop once matched)
         self._sent = 0
         self.matched: str | None = None
+        self._armed = True
 
-    def push(self, delta: str) -> str:
-        """Add new text; return the text now safe to send. After a match, returns the rest up to the stop."""
+    def push(self, delta: str, armed: bool = True) -> str:
+        """Add new text; return the text now safe to send. After a match, returns the rest up to the stop.
+
+        While not `armed` (min_tokens not reached), text passes through unmatched."""
         if self.matched is not None or not delta:
             return ""
-        search_from = max(0, len(self.text) - self._hold)
+        search_from = max(0, len(self.text) - self._hold) if self._armed else len(self.text)
+        self._armed = armed
         self.text += delta
+        if not armed:
+            return self._take(len(self.text) - self._hold)
         hit = self._find(search_from)
         if hit is not None:
             index, stop = hit

@@ -1,0 +1,234 @@
+"""`/v1/completions` (legacy text completion): translation as unit tests, then the
+official `openai` client and raw HTTP against the tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from serve_app.completions import (
+    CompletionAccumulator,
+    CompletionRequest,
+    CompletionStreamer,
+    to_generate_request,
+)
+from serve_app.errors import APIError
+from tests.serve_fixtures import TINY_MODEL_ID
+from workers.protocol import ErrorInfo, GenerationChunk
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+PROMPT = "The quick brown fox"
+
+
+def make(**fields) -> CompletionRequest:
+    return CompletionRequest.model_validate({"model": TINY_MODEL_ID, "prompt": PROMPT, **fields})
+
+
+# ------------------------------------------------------------------------ translation
+
+
+def test_defaults():
+    gen = to_generate_request(make(), "cmpl-1")
+    assert gen.prompt == PROMPT and gen.messages is None
+    assert gen.max_tokens == 16  # OpenAI's default
+    p = gen.params
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (1.0, 1.0, 0, 0.0, None)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert p.stop == () and p.stop_token_ids == () and p.logit_bias == {}
+    assert not p.ignore_eos and p.skip_special_tokens and not p.include_stop_str_in_output
+
+
+def test_fields_map_to_sampling_params():
+    gen = to_generate_request(
+        make(max_tokens=7, temperature=0, top_p=0.9, top_k=5, min_p=0.1, seed=3, stop="x", stop_token_ids=[4],
+             ignore_eos=True, skip_special_tokens=False, include_stop_str_in_output=True, presence_penalty=0.5,
+             frequency_penalty=-0.5, repetition_penalty=1.2, min_tokens=2, logit_bias={"11": -100, "12": 5}),
+        "r",
+    )
+    p = gen.params
+    assert gen.max_tokens == 7
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (0.0, 0.9, 5, 0.1, 3)
+    assert p.stop == ("x",) and p.stop_token_ids == (4,)
+    assert p.ignore_eos and not p.skip_special_tokens and p.include_stop_str_in_output
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_tokens) == (0.5, -0.5, 1.2, 2)
+    assert p.logit_bias == {11: -100.0, 12: 5.0}
+
+
+def test_null_max_tokens_is_the_rest_of_the_window():
+    assert to_generate_request(make(max_tokens=None), "r").max_tokens is None
+
+
+def test_a_list_of_one_prompt_is_that_prompt():
+    assert make(prompt=["hello"]).prompt == "hello"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [({"suffix": "tail"}, "suffix"), ({"n": 2}, "n"), ({"best_of": 3}, "best_of"), ({"logprobs": 1}, "logprobs"),
+     ({"use_beam_search": True}, "use_beam_search")],
+)
+def test_unsupported_fields_are_refused(fields, param):
+    with pytest.raises(APIError) as info:
+        to_generate_request(make(**fields), "r")
+    assert info.value.status == 400 and info.value.param == param
+    assert info.value.code == "unsupported_parameter"
+
+
+def test_echo_and_stream_shapes():
+    chunks = [GenerationChunk(text="", prompt_tokens=4, completion_tokens=1),
+              GenerationChunk(text=" jumps", prompt_tokens=4, completion_tokens=2),
+              GenerationChunk(text=".", finish_reason="length", prompt_tokens=4, completion_tokens=3)]
+    acc = CompletionAccumulator("c", make(echo=True))
+    for chunk in chunks:
+        acc.add(chunk)
+    body = json.loads(acc.result().dump_json())
+    assert body["choices"] == [{"index": 0, "text": PROMPT + " jumps.", "logprobs": None, "finish_reason": "length",
+                                "stop_reason": None}]
+
+    async def rest():
+        for chunk in chunks[1:]:
+            yield chunk
+
+    async def collect(req):
+        return [e async for e in CompletionStreamer("c", req).events(chunks[0], rest())]
+
+    events = asyncio.run(collect(make(echo=True, stream=True, stream_options={"include_usage": True})))
+    assert events[-1] == "data: [DONE]\n\n"
+    payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert [p["choices"][0]["text"] for p in payloads[:-1]] == [PROMPT, " jumps", "."]
+    assert all(p["usage"] is None for p in payloads[:-1])
+    assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["completion_tokens"] == 3
+
+    events = asyncio.run(collect(make(stream=True)))
+    payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert all("usage" not in p for p in payloads)  # no include_usage: no usage key at all
+
+
+def test_worker_errors_name_prompt():
+    acc = CompletionAccumulator("c", make())
+    with pytest.raises(APIError) as info:
+        acc.add(GenerationChunk(error=ErrorInfo(400, "the prompt is empty after tokenization", param="messages")))
+    assert info.value.param == "prompt"
+
+
+# ------------------------------------------------------------------------- over HTTP
+
+
+@pytest.fixture(scope="module")
+def client(tiny_app):
+    return openai.OpenAI(base_url=tiny_app + "/v1", api_key="unused", max_retries=0)
+
+
+def post(url: str, body) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json=body, timeout=60)
+
+
+def test_openai_client_non_streaming(client, tiny_tokenizer):
+    out = client.completions.create(model=TINY_MODEL_ID, prompt=PROMPT, max_tokens=5, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.object == "text_completion" and out.id.startswith("cmpl-") and out.model == TINY_MODEL_ID
+    (choice,) = out.choices
+    assert choice.index == 0 and choice.logprobs is None and choice.finish_reason == "length"
+    assert isinstance(choice.text, str) and choice.text
+    expected_prompt = len(tiny_tokenizer(PROMPT, add_special_tokens=True)["input_ids"])
+    assert out.usage.prompt_tokens == expected_prompt
+    assert out.usage.completion_tokens == 5
+    assert out.usage.total_tokens == expected_prompt + 5
+
+
+def test_default_max_tokens_is_16(client):
+    out = client.completions.create(model=TINY_MODEL_ID, prompt=PROMPT, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 16 and out.choices[0].finish_reason == "length"
+
+
+def test_openai_client_streaming_matches(client):
+    kwargs = dict(model=TINY_MODEL_ID, prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    assert all(c.object == "text_completion" for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == ["length"]
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert chunks[-1].usage == whole.usage
+
+
+def test_echo_prepends_the_prompt(client):
+    kwargs = dict(model=TINY_MODEL_ID, prompt=PROMPT, max_tokens=4, temperature=0)
+    plain = client.completions.create(**kwargs).choices[0].text
+    echoed = client.completions.create(echo=True, **kwargs).choices[0].text
+    assert echoed == PROMPT + plain
+    streamed = "".join(c.choices[0].text for c in client.completions.create(echo=True, stream=True, **kwargs))
+    assert streamed == PROMPT + plain
+
+
+def test_stop_string_and_seed(client):
+    base = dict(model=TINY_MODEL_ID, prompt=PROMPT, max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**base).choices[0].text
+    assert len(full) > 6
+    stop = full[3:6]
+    cut = client.completions.create(stop=[stop], **base).choices[0]
+    assert cut.text == full[: full.index(stop)] and cut.finish_reason == "stop"
+    assert cut.model_extra["stop_reason"] == stop
+    seeded = dict(model=TINY_MODEL_ID, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=7,
+                  extra_body={"ignore_eos": True})
+    assert client.completions.create(**seeded).choices[0].text == client.completions.create(**seeded).choices[0].text
+
+
+def test_raw_sse(tiny_app):
+    body = {"model": TINY_MODEL_ID, "prompt": PROMPT, "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", tiny_app + "/v1/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in resp.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    payloads = [json.loads(line[6:]) for line in lines[:-1]]
+    assert all(p["object"] == "text_completion" for p in payloads)
+    assert all(set(p["choices"][0]) >= {"index", "text", "finish_reason"} for p in payloads)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": PROMPT}, "model"),
+        ({"model": TINY_MODEL_ID}, "prompt"),
+        ({"model": TINY_MODEL_ID, "prompt": ""}, "prompt"),
+        ({"model": TINY_MODEL_ID, "prompt": [1, 2, 3]}, "prompt"),
+        ({"model": TINY_MODEL_ID, "prompt": [[1, 2], [3]]}, "prompt"),
+        ({"model": TINY_MODEL_ID, "prompt": ["a", "b"]}, "prompt"),
+        ({"model": TINY_MODEL_ID, "prompt": PROMPT, "suffix": "x"}, "suffix"),
+        ({"model": TINY_MODEL_ID, "prompt": PROMPT, "n": 2}, "n"),
+        ({"model": TINY_MODEL_ID, "prompt": PROMPT, "logprobs": 2}, "logprobs"),
+        ({"model": TINY_MODEL_ID, "prompt": PROMPT, "temperature": 3}, "temperature"),
+        ({"model": TINY_MODEL_ID, "prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
+        ({"model": TINY_MODEL_ID, "prompt": PROMPT, "logit_bias": {"100000": 1}}, "logit_bias"),
+        ({"model": TINY_MODEL_ID, "prompt": PROMPT, "logit_bias": {"5": 200}}, "logit_bias"),
+        ({"model": TINY_MODEL_ID, "prompt": PROMPT, "min_tokens": 20, "max_tokens": 5}, None),
+        ({"model": TINY_MODEL_ID, "prompt": PROMPT, "max_tokens": 1000}, "max_tokens"),  # over the window (worker)
+    ],
+)
+def test_invalid_requests(tiny_app, body, param):
+    resp = post(tiny_app, body)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"]
+
+
+def test_token_id_prompt_message_is_clear(tiny_app):
+    message = post(tiny_app, {"model": TINY_MODEL_ID, "prompt": [1, 2, 3]}).json()["error"]["message"]
+    assert "token-id prompts are not supported" in message
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt=PROMPT)
