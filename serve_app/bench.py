@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -93,7 +94,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> Reques
 
 
 async def run_level(url: str, model: str, concurrency: int, num_requests: int, max_tokens: int,
-                    prompt: str, ignore_eos: bool) -> LevelReport:
+                    prompt: str, ignore_eos: bool, headers: dict[str, str]) -> LevelReport:
     body = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
@@ -109,7 +110,7 @@ async def run_level(url: str, model: str, concurrency: int, num_requests: int, m
     queue = list(range(num_requests))
     bar = tqdm(total=num_requests, desc=f"c={concurrency}", leave=False)
 
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=600, limits=limits, headers=headers) as client:
         async def worker() -> None:
             while queue:
                 queue.pop()
@@ -149,14 +150,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
     parser.add_argument("--no-ignore-eos", action="store_true", help="for servers that reject ignore_eos")
     parser.add_argument("--json", default=None, help="also write the reports here")
+    parser.add_argument("--api-key", default=os.environ.get("CHATSERVE_API_KEY"),
+                        help="sent as a Bearer token (default: $CHATSERVE_API_KEY)")
     args = parser.parse_args(argv)
 
-    model = args.model or httpx.get(args.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    model = args.model or httpx.get(args.url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
     reports = []
     for concurrency in args.concurrency:
         n = args.num_requests or max(8, 2 * concurrency)
         report = asyncio.run(run_level(args.url, model, concurrency, n, args.max_tokens, args.prompt,
-                                       not args.no_ignore_eos))
+                                       not args.no_ignore_eos, headers))
         print(report.line(), flush=True)
         reports.append(report)
     if args.json:

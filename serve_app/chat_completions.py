@@ -54,7 +54,7 @@ def sampling_params(req: ChatCompletionRequest) -> SamplingParams:
         return default if value is None else value
 
     return SamplingParams(
-        temperature=given(req.temperature, 1.0),
+        temperature=0.0 if req.use_beam_search else given(req.temperature, 1.0),
         top_p=given(req.top_p, 1.0),
         top_k=req.top_k if req.top_k is not None and req.top_k > 0 else 0,
         min_p=given(req.min_p, 0.0),
@@ -72,6 +72,9 @@ def sampling_params(req: ChatCompletionRequest) -> SamplingParams:
         logprobs=given(req.top_logprobs, 0) if req.logprobs else None,
         prompt_logprobs=req.prompt_logprobs,
         n=req.n,
+        use_beam_search=bool(req.use_beam_search),
+        best_of=req.best_of,
+        length_penalty=given(req.length_penalty, 1.0),
     )
 
 

@@ -146,10 +146,11 @@ class ChatIngress:
         handle = self._worker(req.model)
         request_id = new_request_id()
         gen_request = to_generate_request(req, request_id)
+        await self._check_token_ids(req.model, gen_request.params.logit_bias, "logit_bias")
         if req.stream:
             output = ChunkStreamer(request_id, req, self.config.server.full_text_enabled)
         else:
-            output = CompletionAccumulator(request_id, req.model)
+            output = CompletionAccumulator(request_id, req.model, req.n)
         return await self._respond(handle, gen_request, req.stream, output)
 
     @api.post("/lm/v2/chat/completions")

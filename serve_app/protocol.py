@@ -51,9 +51,6 @@ class StreamOptions(_Request):
 # Fields that change what the model outputs and are not implemented yet: a request
 # that sets one to a non-neutral value gets a 400 instead of a silently different answer.
 UNSUPPORTED_UNLESS_NEUTRAL: dict[str, Any] = {
-    "use_beam_search": False,
-    "best_of": None,
-    "length_penalty": 1.0,
     "tools": None,
     "tool_choice": None,
     "response_format": None,
@@ -92,10 +89,11 @@ class ChatCompletionRequest(_Request):
     chat_template_kwargs: dict[str, Any] | None = None
     user: str | None = None
 
-    # Known but not honoured yet (see UNSUPPORTED_UNLESS_NEUTRAL).
     use_beam_search: bool | None = False
-    best_of: int | None = None
-    length_penalty: float | None = 1.0
+    best_of: int | None = Field(None, ge=1, le=64)  # beam width
+    length_penalty: float | None = Field(None, ge=-10.0, le=10.0, allow_inf_nan=False)
+
+    # Known but not honoured yet (see UNSUPPORTED_UNLESS_NEUTRAL).
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
@@ -113,6 +111,12 @@ class ChatCompletionRequest(_Request):
 
     def cross_field_error(self) -> tuple[str, str] | None:
         """(param, message) for rules between fields that name one field, else None."""
+        if self.use_beam_search:
+            return self._beam_search_error()
+        if self.best_of is not None:
+            return "best_of", "best_of is only supported with use_beam_search"
+        if self.length_penalty is not None and self.length_penalty != 1.0:
+            return "length_penalty", "length_penalty needs use_beam_search: true"
         if self.n > 1 and (self.temperature == 0 or self.top_k == 1):
             return "n", "n > 1 needs sampling: greedy decoding (temperature 0 or top_k 1) would give n identical choices"
         if self.top_logprobs is not None and not self.logprobs:
@@ -125,6 +129,22 @@ class ChatCompletionRequest(_Request):
                 return "logit_bias", f"logit_bias keys must be token ids, got {key!r}"
             if not -100.0 <= bias <= 100.0:
                 return "logit_bias", f"logit_bias values must be in [-100, 100], got {bias} for token {key}"
+        return None
+
+    def _beam_search_error(self) -> tuple[str, str] | None:
+        # The MaaS rules (seed 003): n > 1, temperature 0, top_p 1, top_k -1 (or 0).
+        if self.n < 2:
+            return "n", "beam search needs n > 1"
+        if self.best_of is not None and self.best_of < self.n:
+            return "best_of", f"best_of ({self.best_of}) must be at least n ({self.n})"
+        if self.temperature not in (None, 0.0):
+            return "temperature", "beam search needs temperature 0"
+        if self.top_p not in (None, 1.0):
+            return "top_p", "beam search needs top_p 1"
+        if self.top_k not in (None, -1, 0):
+            return "top_k", "beam search needs top_k -1"
+        if self.logprobs:
+            return "logprobs", "logprobs are not available with beam search"
         return None
 
     def unsupported_field(self) -> str | None:

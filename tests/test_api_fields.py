@@ -88,3 +88,14 @@ def test_min_tokens_holds_back_a_stop_token(client):
     first_id = first.choices[0].model_extra["stop_reason"]  # the stop token that ended it
     out = create(client, temperature=0, max_tokens=6, extra_body={"min_tokens": 3, "stop_token_ids": [first_id]})
     assert out.usage.completion_tokens >= 3
+
+
+def test_beam_search_through_the_api(client):
+    out = create(client, n=2, temperature=0, max_tokens=6,
+                 extra_body={"use_beam_search": True, "best_of": 3, "length_penalty": 1.0, "top_k": -1})
+    assert [c.index for c in out.choices] == [0, 1]
+    texts = [c.message.content for c in out.choices]
+    assert texts[0] != texts[1]
+    assert all(c.finish_reason == "length" for c in out.choices)
+    again = create(client, n=2, temperature=0, max_tokens=6, extra_body={"use_beam_search": True, "best_of": 3})
+    assert [c.message.content for c in again.choices] == texts  # deterministic

@@ -130,3 +130,45 @@ def test_logprobs_match_the_model(tiny_model, paged_model, tiny_tokenizer):
         assert abs(logprob - float(reference[position][tid])) < 1e-4
         assert len(top) == 2
     assert all(e.prompt_logprobs is None for e in events[1:])
+
+
+def sequence_logprob(model, prompt: list[int], output: list[int]) -> float:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return sum(float(logprobs[len(prompt) - 1 + i, t]) for i, t in enumerate(output))
+
+
+def test_beam_search_returns_top_beams_in_score_order(tiny_model, paged_model, tiny_tokenizer):
+    prompt = prompt_ids(tiny_tokenizer)
+    engine = make_engine(paged_model, num_blocks=128)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, n=3, use_beam_search=True, best_of=4)
+    rid = engine.add_request(prompt, params)
+    events = run_to_completion(engine)[rid]
+    assert [e.index for e in events] == [0, 1, 2]
+    assert events[-1].request_finished
+    beams = [e.beam_token_ids for e in events]
+    assert all(len(b) == 5 for b in beams) and len({tuple(b) for b in beams}) == 3
+    scores = [e.logprob for e in events]
+    assert scores == sorted(scores, reverse=True)
+    for beam, score in zip(beams, scores):  # cumulative logprob is the model's own
+        assert abs(sequence_logprob(tiny_model, prompt, beam) - score) < 1e-3
+    # The best beam is at least as likely as the greedy answer.
+    greedy = make_engine(paged_model)
+    gid = greedy.add_request(prompt, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    greedy_tokens = [e.token_id for e in run_to_completion(greedy)[gid]]
+    assert scores[0] >= sequence_logprob(tiny_model, prompt, greedy_tokens) - 1e-4
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_beam_search_finishes_on_eos(paged_model, tiny_tokenizer):
+    prompt = prompt_ids(tiny_tokenizer)
+    plain = make_engine(paged_model)
+    rid = plain.add_request(prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    second = [e.token_id for e in run_to_completion(plain)[rid]][1]
+    engine = make_engine(paged_model, eos=frozenset({second}))
+    params = SamplingParams(max_tokens=8, temperature=0.0, n=2, use_beam_search=True)
+    rid = engine.add_request(prompt, params)
+    events = run_to_completion(engine)[rid]
+    assert len(events) == 2
+    assert all(second not in e.beam_token_ids for e in events)  # EOS ends a beam, is not part of it

@@ -41,10 +41,9 @@ class _Abort:
 class RequestStream:
     """Tokens of one request (all its choices), as the engine produces them."""
 
-    def __init__(self, num_choices: int = 1) -> None:
+    def __init__(self) -> None:
         self.request_id: int | None = None
         self._queue: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
-        self.unfinished_choices = num_choices
         self.finished = False
 
     def put(self, item: TokenEvent | BaseException) -> None:
@@ -63,8 +62,7 @@ class RequestStream:
     async def __aiter__(self) -> AsyncIterator[list[TokenEvent]]:
         while not self.finished:
             events = await self.next_batch()
-            self.unfinished_choices -= sum(e.finish_reason is not None for e in events)
-            self.finished = self.unfinished_choices <= 0
+            self.finished = any(e.request_finished for e in events)
             yield events
 
 
@@ -98,7 +96,7 @@ class AsyncEngine:
         if not self.alive:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
         self.engine.check_request(prompt_token_ids, params)
-        stream = RequestStream(params.n)
+        stream = RequestStream()
         self._commands.put(_Add(prompt_token_ids, params, stream))
         self._wake.set()
         if self.error is not None:
@@ -148,8 +146,8 @@ class AsyncEngine:
             stream = self._streams.get(event.request_id)
             if stream is None:
                 continue
-            if event.finish_reason is not None and not self.engine.is_active(event.request_id):
-                del self._streams[event.request_id]  # its last choice just finished
+            if event.request_finished:
+                del self._streams[event.request_id]
             routed.append((stream, event))
         return routed
 

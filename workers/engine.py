@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.beam_search import BeamGroup
 from workers.block_manager import BlockManager
 from workers.kv_cache import KVCacheShape, PagedKVCache
 from workers.model_runner import ModelRunner, PromptLogitRows
@@ -46,6 +47,8 @@ class TokenEvent:
     top_logprobs: TopList | None = None
     # On a request's first event only, when asked: (token id, logprob, top) per prompt token after the first.
     prompt_logprobs: list[tuple[int, float, TopList]] | None = None
+    beam_token_ids: list[int] | None = None  # beam search: a whole finished beam (token_id is -1)
+    request_finished: bool = False  # the request's last event
 
 
 class CapacityError(ValueError):
@@ -80,6 +83,8 @@ class LLMEngine:
         self.sampler = Sampler()
         self._ids = itertools.count()
         self._requests: dict[int, list[Sequence]] = {}  # request id -> its live choices
+        self._beams: dict[int, BeamGroup] = {}  # beam-search requests
+        self._pending_beam_rows: dict[int, torch.Tensor] = {}  # seq id -> logprobs, until siblings catch up
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise CapacityError if the request can never run here. Reads only fixed limits,
@@ -88,7 +93,7 @@ class LLMEngine:
         if needed > self.limits.max_model_len:
             raise CapacityError(
                 f"This model's maximum context length is {self.limits.max_model_len} tokens. However, you "
-                f"requested {needed} tokens ({len(prompt_token_ids)} in the messages, "
+                f"requested {needed} tokens ({len(prompt_token_ids)} in the prompt, "
                 f"{params.max_tokens} in the completion)."
             )
         # The n choices share the prompt's blocks and each grows its own output.
@@ -110,11 +115,16 @@ class LLMEngine:
             max_model_len=self.limits.max_model_len,
         )
         self._requests[seq.request_id] = [seq]
+        if params.use_beam_search:
+            ends = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+            self._beams[seq.request_id] = BeamGroup(params.beam_width, params.n, params.length_penalty, ends)
         self.scheduler.add(seq)
         return seq.request_id
 
     def abort_request(self, request_id: int) -> None:
+        self._beams.pop(request_id, None)
         for seq in self._requests.pop(request_id, []):
+            self._pending_beam_rows.pop(seq.seq_id, None)
             self.scheduler.abort(seq)
 
     def is_active(self, request_id: int) -> bool:
@@ -137,15 +147,82 @@ class LLMEngine:
         chunks = batch.sampling_chunks
         self.scheduler.advance(batch)
         self._score_prompts(logits[len(chunks) :], prompt_rows)
-        seqs, rows = self._sampling_rows([c.seq for c in chunks])
+        beam_rows = [i for i, c in enumerate(chunks) if c.seq.params.use_beam_search]
+        events = self._beam_step([chunks[i].seq for i in beam_rows], logits[beam_rows]) if beam_rows else []
+        sampling = [c.seq for c in chunks if not c.seq.params.use_beam_search]
+        seqs, rows = self._sampling_rows(sampling)
         if not seqs:
-            return []
-        row_logits = logits[rows]
+            return events
+        row_logits = logits[[i for i, c in enumerate(chunks) if not c.seq.params.use_beam_search]][rows]
         tensors = SamplingTensors.from_sequences(seqs, self.vocab_size, self.device)
         tokens = self.sampler(row_logits, tensors)
         logprobs = self._logprobs(seqs, row_logits, tokens)
         results = self.scheduler.append_tokens(seqs, tokens.tolist())
-        return self._events(results, logprobs)
+        return events + self._events(results, logprobs)
+
+    # --- beam search --------------------------------------------------------------
+
+    def _beam_step(self, seqs: list[Sequence], logits: torch.Tensor) -> list[TokenEvent]:
+        """Park each beam's log-probabilities; advance every request whose live beams all have theirs."""
+        for seq, row in zip(seqs, torch.log_softmax(logits, dim=-1)):
+            self._pending_beam_rows[seq.seq_id] = row
+        events: list[TokenEvent] = []
+        for request_id in dict.fromkeys(s.request_id for s in seqs):
+            live = self._requests.get(request_id, [])
+            if live and all(s.seq_id in self._pending_beam_rows for s in live):
+                rows = torch.stack([self._pending_beam_rows.pop(s.seq_id) for s in live])
+                events.extend(self._advance_beams(request_id, live, rows))
+        return events
+
+    def _advance_beams(self, request_id: int, live: list[Sequence], rows: torch.Tensor) -> list[TokenEvent]:
+        group = self._beams[request_id]
+        chosen = group.step(rows, [s.cum_logprob for s in live], [s.output_token_ids for s in live])
+        targets: list[tuple[Sequence, int, float]] = []
+        used: set[int] = set()
+        for cont in chosen:  # fork first: a child copies its parent before the parent appends
+            parent = live[cont.beam]
+            if cont.beam in used:
+                child = parent.fork(next(self._ids), parent.index)
+                self.scheduler.fork(parent, [child])
+                targets.append((child, cont.token_id, cont.cum_logprob))
+            else:
+                used.add(cont.beam)
+                targets.append((parent, cont.token_id, cont.cum_logprob))
+        for beam, seq in enumerate(live):
+            if beam not in used:
+                self.scheduler.drop(seq)
+        next_live = []
+        for seq, token, cum in targets:
+            seq.cum_logprob = cum
+            if seq.append_token(token) is FinishReason.LENGTH:
+                group.finish_live([(seq.output_token_ids, cum)], "length")
+                self.scheduler.running.remove(seq)
+                self.scheduler.finish(seq, FinishReason.LENGTH)
+            else:
+                next_live.append(seq)
+        self._requests[request_id] = next_live
+        if not group.is_done([(s.cum_logprob, s.num_output_tokens) for s in next_live]):
+            return []
+        return self._finish_beams(request_id, group)
+
+    def _finish_beams(self, request_id: int, group: BeamGroup) -> list[TokenEvent]:
+        self.abort_request(request_id)  # drops the beams still live and the group
+        now = time.perf_counter()
+        best = group.best()
+        return [
+            TokenEvent(
+                request_id=request_id,
+                index=i,
+                token_id=-1,
+                finish_reason=FinishReason(h.finish_reason),
+                stop_token_id=None,
+                time=now,
+                logprob=h.cum_logprob,
+                beam_token_ids=h.token_ids,
+                request_finished=i == len(best) - 1,
+            )
+            for i, h in enumerate(best)
+        ]
 
     def _sampling_rows(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[int]]:
         """Each sampling sequence's logits row; an n > 1 request forks its choices here, so
@@ -204,6 +281,7 @@ class LLMEngine:
                     logprob=lp,
                     top_logprobs=top,
                     prompt_logprobs=list(seq.prompt_logprobs) if first else None,
+                    request_finished=reason is not None and seq.request_id not in self._requests,
                 )
             )
         return events

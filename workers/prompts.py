@@ -24,7 +24,7 @@ class PromptBuilder:
         else:
             ids = self._chat_ids(request.messages or [], request.chat_template_kwargs)
         if not ids:
-            raise PromptError("the prompt is empty after tokenization", "messages")
+            raise PromptError("the prompt is empty after tokenization", "prompt" if request.prompt is not None else "messages")
         return list(ids)
 
     def _chat_ids(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> list[int]:

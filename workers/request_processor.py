@@ -43,7 +43,7 @@ class RequestProcessor:
             yield GenerationChunk(error=ErrorInfo(400, str(exc), param=exc.param))
             return
         except CapacityError as exc:
-            param = "max_tokens" if request.max_tokens is not None else "messages"
+            param = "max_tokens" if request.max_tokens is not None else ("prompt" if request.prompt is not None else "messages")
             yield GenerationChunk(error=ErrorInfo(400, str(exc), param=param, code="context_length_exceeded"))
             return
         except EngineDeadError as exc:
@@ -122,6 +122,8 @@ class _OutputState:
             chunk.logprobs = []
         texts: list[str] = []
         for event in events:
+            if event.beam_token_ids is not None:
+                return self._whole_beam(chunk, event, usage)
             self._time(chunk, event.time)
             self.num_tokens += 1
             usage.completion_tokens += 1
@@ -143,6 +145,21 @@ class _OutputState:
         self.finished = chunk.finish_reason is not None
         chunk.text = "".join(texts)
         chunk.completion_tokens = usage.completion_tokens
+        return chunk
+
+    def _whole_beam(self, chunk: GenerationChunk, event: TokenEvent, usage: _Usage) -> GenerationChunk:
+        """Beam search returns each finished beam at once: its text, cut at a stop string."""
+        self._time(chunk, event.time)
+        ids = event.beam_token_ids
+        self.num_tokens = len(ids)
+        usage.completion_tokens += len(ids)
+        chunk.token_ids = list(ids)
+        text = self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
+        chunk.text = self.stops.push(text) + (self.stops.flush() if self.stops.matched is None else "")
+        chunk.finish_reason = FinishReason.STOP.value if self.stops.matched else event.finish_reason.value
+        chunk.stop_reason = self.stops.matched
+        chunk.completion_tokens = usage.completion_tokens
+        self.finished = True
         return chunk
 
     def _token_logprob(self, event: TokenEvent) -> TokenLogprob:

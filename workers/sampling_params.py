@@ -35,9 +35,14 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None  # None: off; k >= 0: the sampled token's logprob plus the top k
     prompt_logprobs: int | None = None  # None: off; k >= 0: per prompt token, plus the top k
-    n: int = 1  # independent samples sharing one prefill
+    n: int = 1  # independent samples sharing one prefill (or: beams returned)
     use_beam_search: bool = False
+    best_of: int | None = None  # beam width; default n
     length_penalty: float = 1.0
+
+    @property
+    def beam_width(self) -> int:
+        return max(self.n, self.best_of or self.n)
 
     @property
     def greedy(self) -> bool:

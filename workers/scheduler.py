@@ -95,6 +95,8 @@ class Scheduler:
         while queue and budget > 0:
             seq = queue.pop(0)
             n = min(seq.num_uncomputed_tokens, budget)
+            if n == 0:
+                continue  # a beam waiting for its siblings' logits (beam search steps together)
             while not self.blocks.can_allocate(seq, n):
                 victim = queue.pop() if queue else None
                 if victim is None:
@@ -146,6 +148,11 @@ class Scheduler:
         for child in children:
             self.blocks.fork(parent, child)
         self.running[position:position] = children
+
+    def drop(self, seq: Sequence) -> None:
+        """Remove a running sequence that is no longer needed (a beam not continued)."""
+        self.running.remove(seq)
+        self.finish(seq, FinishReason.ABORT)
 
     def append_tokens(self, seqs: list[Sequence], sampled: list[int]) -> list[tuple[Sequence, int, FinishReason | None]]:
         results = []

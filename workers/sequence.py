@@ -45,6 +45,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
     generator: torch.Generator | None = None
+    cum_logprob: float = 0.0  # beam search only
     # (token_id, logprob, top [(id, logprob)]) per prompt position after the first.
     prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
 
@@ -75,7 +76,8 @@ class Sequence:
     @property
     def needs_fork(self) -> bool:
         """Choice 0 of an n > 1 request that has just finished its prompt."""
-        return self.params.n > 1 and self.index == 0 and self.num_output_tokens == 0
+        params = self.params
+        return params.n > 1 and not params.use_beam_search and self.index == 0 and self.num_output_tokens == 0
 
     @property
     def num_tokens(self) -> int:
