@@ -216,7 +216,9 @@ class ChunkStreamer:
         if self.continuous_usage:
             event.usage = usage_of(chunk)
         if self.full_text_enabled and chunk.finish_reason is not None:
+            # MindIE's fullTextEnabled stream (seeds 000/001): the last chunk adds full_text and usage.
             event.full_text = self.full_texts[chunk.index]
+            event.usage = usage_of(chunk)
         if chunk.prompt_logprobs is not None:
             event.prompt_logprobs = prompt_logprob_entries(chunk.prompt_logprobs)
         return sse_json(event.dump_json())

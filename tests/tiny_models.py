@@ -51,7 +51,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 def build_tiny_llama(vocab_size: int, seed: int = 0, **overrides) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    settings = dict(
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
@@ -63,8 +63,8 @@ def build_tiny_llama(vocab_size: int, seed: int = 0, **overrides) -> LlamaForCau
         bos_token_id=1,
         pad_token_id=0,
         tie_word_embeddings=False,
-        **overrides,
     )
+    config = LlamaConfig(**{**settings, **overrides})
     model = LlamaForCausalLM(config)
     # Larger weights than the default init so logits are far from ties (greedy is stable).
     with torch.no_grad():
@@ -74,9 +74,9 @@ def build_tiny_llama(vocab_size: int, seed: int = 0, **overrides) -> LlamaForCau
     return model.eval()
 
 
-def write_tiny_model_dir(path: Path, seed: int = 0) -> Path:
+def write_tiny_model_dir(path: Path, seed: int = 0, **config_overrides) -> Path:
     tokenizer = build_tokenizer()
-    model = build_tiny_llama(len(tokenizer), seed=seed)
+    model = build_tiny_llama(len(tokenizer), seed=seed, **config_overrides)
     model.config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(path)
