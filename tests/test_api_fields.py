@@ -99,3 +99,22 @@ def test_beam_search_through_the_api(client):
     assert all(c.finish_reason == "length" for c in out.choices)
     again = create(client, n=2, temperature=0, max_tokens=6, extra_body={"use_beam_search": True, "best_of": 3})
     assert [c.message.content for c in again.choices] == texts  # deterministic
+
+
+def test_unknown_fields_are_ignored(tiny_app):
+    """Documented choice (README): unknown request fields are ignored, as vLLM does."""
+    import httpx
+
+    body = {"model": TINY_MODEL_ID, "messages": MESSAGES, "max_tokens": 2, "no_such_field": {"x": 1},
+            "another_vendor_extra": True}
+    resp = httpx.post(tiny_app + "/v1/chat/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] <= 2
+
+
+def test_continuous_usage_stats_on_every_chunk(client):
+    chunks = list(create(client, temperature=0, max_tokens=5, stream=True,
+                         stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts == sorted(counts) and counts[-1] == 5
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
