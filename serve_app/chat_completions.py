@@ -21,6 +21,7 @@ from serve_app.protocol import (
     LogprobEntry,
     TopLogprobEntry,
     Usage,
+    or_default,
 )
 from workers.protocol import GenerateRequest, GenerationChunk, TokenLogprob, TopLogprob
 from workers.sampling_params import SamplingParams
@@ -50,31 +51,36 @@ def to_generate_request(req: ChatCompletionRequest, request_id: str) -> Generate
 
 def sampling_params(req: ChatCompletionRequest) -> SamplingParams:
     """The request's sampling fields with OpenAI's defaults for those left out."""
-    def given(value, default):
-        return default if value is None else value
-
     return SamplingParams(
-        temperature=0.0 if req.use_beam_search else given(req.temperature, 1.0),
-        top_p=given(req.top_p, 1.0),
-        top_k=req.top_k if req.top_k is not None and req.top_k > 0 else 0,
-        min_p=given(req.min_p, 0.0),
-        seed=req.seed,
-        presence_penalty=given(req.presence_penalty, 0.0),
-        frequency_penalty=given(req.frequency_penalty, 0.0),
-        repetition_penalty=given(req.repetition_penalty, 1.0),
-        logit_bias={int(k): float(v) for k, v in (req.logit_bias or {}).items()},
-        ignore_eos=req.ignore_eos,
-        min_tokens=given(req.min_tokens, 0),
-        stop=req.stop_list,
-        stop_token_ids=tuple(req.stop_token_ids or ()),
-        include_stop_str_in_output=req.include_stop_str_in_output,
-        skip_special_tokens=req.skip_special_tokens,
-        logprobs=given(req.top_logprobs, 0) if req.logprobs else None,
+        **openai_sampling_kwargs(req),
+        temperature=0.0 if req.use_beam_search else or_default(req.temperature, 1.0),
+        logprobs=or_default(req.top_logprobs, 0) if req.logprobs else None,
         prompt_logprobs=req.prompt_logprobs,
         n=req.n,
         use_beam_search=bool(req.use_beam_search),
         best_of=req.best_of,
-        length_penalty=given(req.length_penalty, 1.0),
+        length_penalty=or_default(req.length_penalty, 1.0),
+    )
+
+
+def openai_sampling_kwargs(req) -> dict:
+    """SamplingParams fields that /v1/chat/completions and /v1/completions name and
+    default alike (temperature excepted: its default depends on the route)."""
+    return dict(
+        top_p=or_default(req.top_p, 1.0),
+        top_k=req.top_k if req.top_k is not None and req.top_k > 0 else 0,
+        min_p=or_default(req.min_p, 0.0),
+        seed=req.seed,
+        presence_penalty=or_default(req.presence_penalty, 0.0),
+        frequency_penalty=or_default(req.frequency_penalty, 0.0),
+        repetition_penalty=or_default(req.repetition_penalty, 1.0),
+        logit_bias={int(k): float(v) for k, v in (req.logit_bias or {}).items()},
+        ignore_eos=req.ignore_eos,
+        min_tokens=or_default(req.min_tokens, 0),
+        stop=req.stop_list,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
     )
 
 

@@ -29,10 +29,11 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from serve_app.chat_completions import sse, sse_json
+from serve_app.chat_completions import openai_sampling_kwargs, sse, sse_json, usage_of
 from serve_app.errors import APIError, unsupported
+from serve_app.protocol import RequestModel, ResponseModel, StreamOptions, Usage, or_default
 from workers.protocol import GenerateRequest, GenerationChunk
 from workers.sampling_params import SamplingParams
 
@@ -46,16 +47,7 @@ def new_request_id() -> str:
     return f"cmpl-{uuid.uuid4().hex}"
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class StreamOptions(_Request):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
-
-
-class CompletionRequest(_Request):
+class CompletionRequest(RequestModel):
     model: str
     prompt: str
     suffix: str | None = None
@@ -143,49 +135,19 @@ class CompletionRequest(_Request):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
 
-def _or(value, default):
-    return default if value is None else value
-
 
 def to_generate_request(req: CompletionRequest, request_id: str) -> GenerateRequest:
     field = req.unsupported_field()
     if field is not None:
         raise unsupported(field, "is not supported on /v1/completions")
-    params = SamplingParams(
-        temperature=_or(req.temperature, 1.0),
-        top_p=_or(req.top_p, 1.0),
-        top_k=req.top_k if req.top_k is not None and req.top_k > 0 else 0,
-        min_p=_or(req.min_p, 0.0),
-        seed=req.seed,
-        presence_penalty=_or(req.presence_penalty, 0.0),
-        frequency_penalty=_or(req.frequency_penalty, 0.0),
-        repetition_penalty=_or(req.repetition_penalty, 1.0),
-        logit_bias=dict(req.logit_bias or {}),
-        ignore_eos=req.ignore_eos,
-        min_tokens=_or(req.min_tokens, 0),
-        stop=req.stop_list,
-        stop_token_ids=tuple(req.stop_token_ids or ()),
-        include_stop_str_in_output=req.include_stop_str_in_output,
-        skip_special_tokens=req.skip_special_tokens,
-    )
+    params = SamplingParams(**openai_sampling_kwargs(req), temperature=or_default(req.temperature, 1.0))
     return GenerateRequest(request_id=request_id, params=params, prompt=req.prompt, max_tokens=req.max_tokens)
 
 
 # ---------------------------------------------------------------------------- response
 
 
-class _Response(BaseModel):
-    def dump_json(self) -> str:
-        return self.model_dump_json(exclude_unset=True)
-
-
-class CompletionUsage(_Response):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class CompletionChoice(_Response):
+class CompletionChoice(ResponseModel):
     index: int
     text: str
     logprobs: None
@@ -193,18 +155,15 @@ class CompletionChoice(_Response):
     stop_reason: int | str | None = None
 
 
-class Completion(_Response):
+class Completion(ResponseModel):
     id: str
     object: Literal["text_completion"]
     created: int
     model: str
     choices: list[CompletionChoice]
-    usage: CompletionUsage | None = None
+    usage: Usage | None = None
 
 
-def usage_of(chunk: GenerationChunk) -> CompletionUsage:
-    return CompletionUsage(prompt_tokens=chunk.prompt_tokens, completion_tokens=chunk.completion_tokens,
-                           total_tokens=chunk.prompt_tokens + chunk.completion_tokens)
 
 
 class CompletionAccumulator:
@@ -263,7 +222,7 @@ class CompletionStreamer:
                 yield self._event([], usage_of(last))
         yield "data: [DONE]\n\n"
 
-    def _event(self, choices: list[CompletionChoice], usage: CompletionUsage | None) -> str:
+    def _event(self, choices: list[CompletionChoice], usage: Usage | None) -> str:
         event = Completion(id=self.request_id, object="text_completion", created=self.created, model=self.model,
                            choices=choices)
         if usage is not None or self.include_usage:

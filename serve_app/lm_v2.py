@@ -48,10 +48,11 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from serve_app.chat_completions import sse, sse_json
 from serve_app.errors import APIError
+from serve_app.protocol import RequestModel, or_default
 from workers.protocol import GenerateRequest, GenerationChunk
 from workers.sampling_params import SamplingParams
 
@@ -76,21 +77,17 @@ def new_request_id() -> str:
 # ----------------------------------------------------------------------------- request
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class LmV2Message(_Request):
+class LmV2Message(RequestModel):
     role: str
     content: str
     name: str | None = None
 
 
-class LmV2StreamOptions(_Request):
+class LmV2StreamOptions(RequestModel):
     include_usage: bool = False
 
 
-class LmV2ChatRequest(_Request):
+class LmV2ChatRequest(RequestModel):
     model: str
     messages: list[LmV2Message]
     stream: bool = False
@@ -145,23 +142,20 @@ class LmV2ChatRequest(_Request):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-def _or(value, default):
-    return default if value is None else value
-
 
 def to_generate_request(req: LmV2ChatRequest, request_id: str) -> GenerateRequest:
     """The dialect's request as the worker's: defaults filled in, names mapped."""
-    top_p = _or(req.top_p, DEFAULT_TOP_P)
+    top_p = or_default(req.top_p, DEFAULT_TOP_P)
     top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
     if top_p == 0.0:  # only the most likely token: greedy (the sampler needs top_p > 0)
         top_p, top_k = 1.0, 1
     params = SamplingParams(
-        temperature=_or(req.temperature, DEFAULT_TEMPERATURE),
+        temperature=or_default(req.temperature, DEFAULT_TEMPERATURE),
         top_p=top_p,
         top_k=top_k,
-        repetition_penalty=_or(req.penalty_score, DEFAULT_PENALTY_SCORE),
-        presence_penalty=_or(req.presence_penalty, 0.0),
-        frequency_penalty=_or(req.frequency_penalty, 0.0),
+        repetition_penalty=or_default(req.penalty_score, DEFAULT_PENALTY_SCORE),
+        presence_penalty=or_default(req.presence_penalty, 0.0),
+        frequency_penalty=or_default(req.frequency_penalty, 0.0),
         stop=req.stop_list,
     )
     messages = []

@@ -15,21 +15,28 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
-class _Request(BaseModel):
+class RequestModel(BaseModel):
+    """Base of every request model of every route: unknown fields are ignored."""
+
     model_config = ConfigDict(extra="ignore")
 
 
-class TextPart(_Request):
+def or_default(value, default):
+    """JSON null and an absent field both mean the documented default."""
+    return default if value is None else value
+
+
+class TextPart(RequestModel):
     type: Literal["text"]
     text: str
 
 
-class ImageURL(_Request):
+class ImageURL(RequestModel):
     url: str
     detail: str | None = None
 
 
-class ImagePart(_Request):
+class ImagePart(RequestModel):
     type: Literal["image_url"]
     image_url: str | ImageURL  # seed 001 passes a bare string (a local path)
 
@@ -37,13 +44,13 @@ class ImagePart(_Request):
 ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
-class ChatMessage(_Request):
+class ChatMessage(RequestModel):
     model_config = ConfigDict(extra="allow")  # name, tool_calls, ... reach the chat template
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
 
 
-class StreamOptions(_Request):
+class StreamOptions(RequestModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
@@ -60,7 +67,7 @@ MAX_STOP_STRINGS = 256
 MAX_LOGPROBS = 20
 
 
-class ChatCompletionRequest(_Request):
+class ChatCompletionRequest(RequestModel):
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
     stream: bool = False
@@ -167,7 +174,9 @@ class ChatCompletionRequest(_Request):
 # ---------------------------------------------------------------------------- responses
 
 
-class _Response(BaseModel):
+class ResponseModel(BaseModel):
+    """Dumped with exclude_unset: optional extras appear only when the server set them."""
+
     def dump(self) -> dict:
         return self.model_dump(exclude_unset=True)
 
@@ -175,35 +184,35 @@ class _Response(BaseModel):
         return self.model_dump_json(exclude_unset=True)
 
 
-class Usage(_Response):
+class Usage(ResponseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
 
 
-class AssistantMessage(_Response):
+class AssistantMessage(ResponseModel):
     role: Literal["assistant"]
     content: str | None
 
 
-class TopLogprobEntry(_Response):
+class TopLogprobEntry(ResponseModel):
     token: str
     logprob: float
     bytes: list[int]
 
 
-class LogprobEntry(_Response):
+class LogprobEntry(ResponseModel):
     token: str
     logprob: float
     bytes: list[int]
     top_logprobs: list[TopLogprobEntry]
 
 
-class ChoiceLogprobs(_Response):
+class ChoiceLogprobs(ResponseModel):
     content: list[LogprobEntry]
 
 
-class Choice(_Response):
+class Choice(ResponseModel):
     index: int
     message: AssistantMessage
     logprobs: ChoiceLogprobs | None
@@ -211,7 +220,7 @@ class Choice(_Response):
     stop_reason: int | str | None = None
 
 
-class ChatCompletion(_Response):
+class ChatCompletion(ResponseModel):
     id: str
     object: Literal["chat.completion"]
     created: int
@@ -223,12 +232,12 @@ class ChatCompletion(_Response):
     decode_time_arr: list[float] | None = None  # ms per later token (MindIE)
 
 
-class Delta(_Response):
+class Delta(ResponseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
 
 
-class ChunkChoice(_Response):
+class ChunkChoice(ResponseModel):
     index: int
     delta: Delta
     logprobs: ChoiceLogprobs | None
@@ -236,7 +245,7 @@ class ChunkChoice(_Response):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionChunk(_Response):
+class ChatCompletionChunk(ResponseModel):
     id: str
     object: Literal["chat.completion.chunk"]
     created: int
@@ -247,7 +256,7 @@ class ChatCompletionChunk(_Response):
     prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
-class ModelCard(_Response):
+class ModelCard(ResponseModel):
     id: str
     object: Literal["model"]
     created: int
@@ -255,6 +264,6 @@ class ModelCard(_Response):
     max_model_len: int
 
 
-class ModelList(_Response):
+class ModelList(ResponseModel):
     object: Literal["list"]
     data: list[ModelCard]
