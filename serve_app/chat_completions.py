@@ -188,23 +188,33 @@ class ChunkStreamer:
         self.full_texts = [""] * req.n
 
     async def events(self, first: GenerationChunk, rest: AsyncIterator[GenerationChunk]) -> AsyncIterator[str]:
+        """SSE lines; an error after the stream began is a last event before [DONE]."""
+        try:
+            async for chunk in self.chunks(first, rest):
+                yield sse_json(chunk.dump_json())
+        except APIError as exc:
+            yield sse(exc.body())
+        yield "data: [DONE]\n\n"
+
+    async def chunks(
+        self, first: GenerationChunk, rest: AsyncIterator[GenerationChunk]
+    ) -> AsyncIterator[ChatCompletionChunk]:
+        """`chat.completion.chunk` objects (for SSE, or for Python callers of the handle API);
+        a worker error raises APIError."""
         chunk: GenerationChunk | None = first
         last = first
         while chunk is not None:
             if chunk.error is not None:
-                yield sse(APIError.from_info(chunk.error).body())
-                break
+                raise APIError.from_info(chunk.error)
             event = self._chunk_event(chunk)
             if event is not None:
                 yield event
             last = chunk
             chunk = await anext(rest, None)
-        else:
-            if self.include_usage:
-                yield self._usage_event(last)
-        yield "data: [DONE]\n\n"
+        if self.include_usage:
+            yield self._usage_event(last)
 
-    def _chunk_event(self, chunk: GenerationChunk) -> str | None:
+    def _chunk_event(self, chunk: GenerationChunk) -> ChatCompletionChunk | None:
         self.full_texts[chunk.index] += chunk.text
         has_news = chunk.text or chunk.finish_reason is not None or chunk.logprobs or chunk.prompt_logprobs
         if not has_news:
@@ -227,12 +237,12 @@ class ChunkStreamer:
             event.usage = usage_of(chunk)
         if chunk.prompt_logprobs is not None:
             event.prompt_logprobs = prompt_logprob_entries(chunk.prompt_logprobs)
-        return sse_json(event.dump_json())
+        return event
 
-    def _usage_event(self, last: GenerationChunk) -> str:
+    def _usage_event(self, last: GenerationChunk) -> ChatCompletionChunk:
         event = self._envelope([])
         event.usage = usage_of(last)
-        return sse_json(event.dump_json())
+        return event
 
     def _envelope(self, choices: list[ChunkChoice]) -> ChatCompletionChunk:
         return ChatCompletionChunk(

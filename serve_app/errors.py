@@ -31,6 +31,10 @@ class APIError(Exception):
         self.code = code
         self.headers = headers or {}
 
+    def __reduce__(self):
+        # Rebuild from every field, so the error crosses Ray handles (other apps catch it).
+        return (type(self), (self.status, self.message, self.type, self.param, self.code, self.headers))
+
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 

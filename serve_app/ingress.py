@@ -36,6 +36,7 @@ from serve_app.chat_completions import (
     to_generate_request,
 )
 from serve_app.config import AppConfig
+from serve_app.handle_api import HandleAPI
 from serve_app.errors import APIError, not_found_model, validation_error
 from serve_app.protocol import ChatCompletionRequest, ModelCard, ModelList
 from workers.protocol import GenerateRequest, GenerationChunk, ModelInfo
@@ -116,7 +117,7 @@ async def _accumulate(acc: Accumulator, first: GenerationChunk, stream) -> str:
 
 @serve.deployment(name="ChatIngress")
 @serve.ingress(api)
-class ChatIngress:
+class ChatIngress(HandleAPI):
     def __init__(self, app_config: dict, workers: dict[str, DeploymentHandle]) -> None:
         self.config = AppConfig.model_validate(app_config)
         self.auth = APIKeyAuth.from_options(self.config.server)  # reads the key env var / file here
