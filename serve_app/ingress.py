@@ -14,6 +14,7 @@ streamer (`events(first, rest)` -> SSE text) and an accumulator (`add(chunk)`,
 """
 
 
+import asyncio
 import json
 import logging
 import time
@@ -38,6 +39,14 @@ from serve_app.chat_completions import (
 from serve_app.config import AppConfig
 from serve_app.handle_api import HandleAPI
 from serve_app.errors import APIError, not_found_model, validation_error
+from serve_app.metrics import (
+    CONTENT_TYPE,
+    STATUS_CLIENT_GONE,
+    IngressMetrics,
+    RecordingStream,
+    RequestRecord,
+    current_record,
+)
 from serve_app.protocol import ChatCompletionRequest, ModelCard, ModelList
 from workers.protocol import GenerateRequest, GenerationChunk, ModelInfo
 
@@ -50,12 +59,16 @@ api = FastAPI(title="chatserve", version="0.1.0", docs_url=None, redoc_url=None,
 
 @api.exception_handler(APIError)
 async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    if (record := current_record()) is not None:
+        record.fail(exc.status, exc.type, exc.message)
     return exc.response()
 
 
 @api.exception_handler(Exception)
 async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error")
+    if (record := current_record()) is not None:
+        record.fail(500, "internal_error", type(exc).__name__)
     return APIError(500, f"internal error: {type(exc).__name__}", type="internal_error").response()
 
 
@@ -89,16 +102,21 @@ class Accumulator(Protocol):
     def result(self) -> Any: ...  # has dump_json() -> str
 
 
-async def _cancel_on_exit(events: AsyncIterator[str], stream) -> AsyncIterator[str]:
-    """Forward SSE events; if the client leaves early, cancel the worker call too."""
-    finished = False
+async def _cancel_on_exit(events: AsyncIterator[str], stream, record: RequestRecord) -> AsyncIterator[str]:
+    """Forward SSE events; if the client leaves early, cancel the worker call too.
+    Then finish the request's record: 200, 499 (client gone) or 500 (an exception)."""
+    status = STATUS_CLIENT_GONE
     try:
         async for event in events:
             yield event
-        finished = True
+        status = 200
+    except Exception:
+        status = 500
+        raise
     finally:
-        if not finished:
+        if status != 200:
             stream.cancel()
+        record.finish(status)
 
 
 async def _accumulate(acc: Accumulator, first: GenerationChunk, stream) -> str:
@@ -124,10 +142,18 @@ class ChatIngress(HandleAPI):
         self.workers = workers
         self._infos: dict[str, ModelInfo] = {}
         self.created = int(time.time())
+        self.metrics = IngressMetrics(list(workers))  # this replica's own registry
 
     @api.get("/health")
     async def health(self) -> dict:
         return {"status": "ok"}
+
+    @api.get("/metrics")
+    async def prometheus_metrics(self, request: Request) -> Response:
+        """Prometheus text format; worker gauges are read now, from one replica per model."""
+        self.auth.check(request.headers.get("authorization"))
+        await self.metrics.refresh_worker_gauges({m: h.stats.remote() for m, h in self.workers.items()})
+        return Response(self.metrics.exposition(), headers={"content-type": CONTENT_TYPE})
 
     @api.get("/v1/models")
     async def list_models(self, request: Request) -> Response:
@@ -180,20 +206,33 @@ class ChatIngress(HandleAPI):
         return await self._respond(handle, gen_request, req.stream, output, completions.WORKER_PARAM_NAMES)
 
     async def _parse(self, request: Request, model_cls: type) -> Any:
-        """API key, then body size, JSON and fields: the request model or an APIError."""
+        """API key, then body size, JSON and fields: the request model or an APIError.
+        Starts the request's metrics record (finished by _respond or the error handlers)."""
+        route = getattr(request.scope.get("route"), "path", None) or request.url.path
+        record = self.metrics.begin(route)
         self.auth.check(request.headers.get("authorization"))
         data = await read_json_body(request, self.config.server.max_request_bytes)
-        return parse_request(model_cls, data)
+        req = parse_request(model_cls, data)
+        record.set_request(req)
+        return req
 
     async def _respond(self, handle: DeploymentHandle, gen_request: GenerateRequest, stream_response: bool,
                        output: Streamer | Accumulator, param_names: Mapping[str, str] | None = None) -> Response:
         """Call the worker; await its first chunk (so its errors keep their status); then SSE or JSON."""
-        stream = handle.options(stream=True).generate.remote(gen_request)
-        first = await self._first_chunk(stream, param_names)
-        if stream_response:
-            return StreamingResponse(_cancel_on_exit(output.events(first, stream), stream),
-                                     media_type="text/event-stream")
-        return Response(await _accumulate(output, first, stream), media_type="application/json")
+        record = current_record() or self.metrics.begin("")
+        record.request_id = gen_request.request_id
+        try:
+            stream = RecordingStream(handle.options(stream=True).generate.remote(gen_request), record)
+            first = await self._first_chunk(stream, param_names)
+            if stream_response:
+                return StreamingResponse(_cancel_on_exit(output.events(first, stream), stream, record),
+                                         media_type="text/event-stream")
+            body = await _accumulate(output, first, stream)
+        except asyncio.CancelledError:
+            record.finish(STATUS_CLIENT_GONE)
+            raise
+        record.finish(200)
+        return Response(body, media_type="application/json")
 
     def _worker(self, model: str) -> DeploymentHandle:
         handle = self.workers.get(model)

@@ -35,6 +35,7 @@ def test_config_is_a_valid_chatserve_serve_config(path: Path):
     assert parsed.models
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Ray's own pydantic v1-style fields
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_config_is_a_valid_serve_deploy_config(path: Path):
     """Ray Serve's own schema for `serve run` / `serve deploy` / KubeRay's serveConfigV2

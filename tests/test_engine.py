@@ -454,3 +454,49 @@ def test_engine_thread_failure_fails_every_stream(paged_model, tiny_tokenizer):
         assert [c.error.code for c in chunks] == ["engine_dead"] and chunks[0].error.status == 503
 
     asyncio.run(_with_async_engine(engine, body))
+
+
+def _slow_steps(engine: LLMEngine, seconds: float) -> None:
+    step = engine.step
+
+    def slow_step():
+        time.sleep(seconds)
+        return step()
+
+    engine.step = slow_step
+
+
+def test_first_token_timeout_ends_the_request_and_frees_its_cache(paged_model, tiny_tokenizer):
+    from workers.request_processor import Timeouts
+
+    engine = make_engine(paged_model, max_model_len=256)
+    _slow_steps(engine, 0.3)
+
+    async def body(aengine):
+        processor = RequestProcessor(aengine, tiny_tokenizer, Timeouts(first_token_s=0.05))
+        chunks = [c async for c in processor.generate(_chat_request("Hi", 5, ignore_eos=True))]
+        await _wait_idle(aengine.engine)
+        return chunks
+
+    chunks = asyncio.run(_with_async_engine(engine, body))
+    assert len(chunks) == 1 and chunks[0].error is not None
+    assert (chunks[0].error.status, chunks[0].error.code) == (504, "first_token_timeout")
+    assert engine.blocks.num_used_blocks == 0 and engine.num_active == 0
+
+
+def test_request_timeout_cuts_a_long_request(paged_model, tiny_tokenizer):
+    from workers.request_processor import Timeouts
+
+    engine = make_engine(paged_model, max_model_len=256)
+    _slow_steps(engine, 0.01)
+
+    async def body(aengine):
+        processor = RequestProcessor(aengine, tiny_tokenizer, Timeouts(request_s=0.3))
+        chunks = [c async for c in processor.generate(_chat_request("Hi", 200, ignore_eos=True))]
+        await _wait_idle(aengine.engine)
+        return chunks
+
+    chunks = asyncio.run(_with_async_engine(engine, body))
+    assert chunks[-1].error is not None and chunks[-1].error.code == "request_timeout"
+    assert 0 < sum(len(c.token_ids) for c in chunks[:-1]) < 200  # some tokens came before the cut
+    assert engine.blocks.num_used_blocks == 0 and engine.num_active == 0

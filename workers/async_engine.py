@@ -59,6 +59,12 @@ class RequestStream:
                 raise item
         return items  # type: ignore[return-value]
 
+    async def next(self, timeout: float | None = None) -> list[TokenEvent]:
+        """The next batch of events; raises TimeoutError after `timeout` seconds without one."""
+        events = await asyncio.wait_for(self.next_batch(), timeout)
+        self.finished = any(e.request_finished for e in events)
+        return events
+
     async def __aiter__(self) -> AsyncIterator[list[TokenEvent]]:
         while not self.finished:
             events = await self.next_batch()

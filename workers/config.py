@@ -20,6 +20,8 @@ class EngineConfig(_Strict):
     max_num_batched_tokens: int = Field(2048, ge=1)
     max_model_len: int | None = Field(None, ge=16, description="default: the model's own window")
     torch_threads: int | None = Field(None, ge=1, description="CPU only; default: all cores")
+    first_token_timeout_s: float | None = Field(None, gt=0, description="end a request with no token by then")
+    request_timeout_s: float | None = Field(None, gt=0, description="end a request still running by then")
 
 
 class AutoscalingConfig(_Strict):

@@ -17,7 +17,7 @@ from workers.config import ModelConfig
 from workers.engine import EngineLimits, LLMEngine
 from workers.model_loader import load_model
 from workers.protocol import GenerateRequest, GenerationChunk, ModelInfo, WorkerStats
-from workers.request_processor import RequestProcessor
+from workers.request_processor import RequestProcessor, Timeouts
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,9 @@ class ModelWorker:
         self.config = ModelConfig.model_validate(model_config)
         self.engine, tokenizer = build_engine(self.config)
         self.engine.start(asyncio.get_running_loop())
-        self.processor = RequestProcessor(self.engine, tokenizer)
+        engine_config = self.config.engine
+        timeouts = Timeouts(engine_config.first_token_timeout_s, engine_config.request_timeout_s)
+        self.processor = RequestProcessor(self.engine, tokenizer, timeouts)
         logger.info("model %s ready: %s", self.config.id, self.info())
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:

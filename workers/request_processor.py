@@ -26,9 +26,24 @@ from workers.stop_strings import StopStringMatcher
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Timeouts:
+    first_token_s: float | None = None
+    request_s: float | None = None
+
+    def remaining(self, arrival: float, got_first_token: bool) -> float | None:
+        """Seconds left before the nearer deadline; None when neither applies."""
+        now = time.perf_counter()
+        limits = [arrival + self.request_s - now] if self.request_s else []
+        if self.first_token_s and not got_first_token:
+            limits.append(arrival + self.first_token_s - now)
+        return max(0.0, min(limits)) if limits else None
+
+
 class RequestProcessor:
-    def __init__(self, engine: AsyncEngine, tokenizer) -> None:
+    def __init__(self, engine: AsyncEngine, tokenizer, timeouts: Timeouts = Timeouts()) -> None:
         self.engine = engine
+        self.timeouts = timeouts
         self.tokenizer = tokenizer
         self.prompts = PromptBuilder(tokenizer)
         self.max_model_len = engine.engine.limits.max_model_len
@@ -53,7 +68,12 @@ class RequestProcessor:
         states = [_OutputState(self.tokenizer, prompt_ids, params, arrival) for _ in range(params.n)]
         usage = _Usage(len(prompt_ids))
         try:
-            async for events in stream:
+            while not stream.finished:
+                try:
+                    events = await stream.next(self.timeouts.remaining(arrival, usage.completion_tokens > 0))
+                except TimeoutError:
+                    yield self._timeout_error(usage.completion_tokens > 0)
+                    return
                 for chunk in self._chunks(events, states, usage):
                     yield chunk
                 if all(state.finished for state in states):
@@ -63,6 +83,14 @@ class RequestProcessor:
         finally:
             # Stop string matched, client went away, or an error: free the sequences now.
             self.engine.abort(stream)
+
+    def _timeout_error(self, got_first_token: bool) -> GenerationChunk:
+        if got_first_token:
+            message, code = f"the request ran past its {self.timeouts.request_s} s limit", "request_timeout"
+        else:
+            limit = self.timeouts.first_token_s if self.timeouts.first_token_s else self.timeouts.request_s
+            message, code = f"no token within the {limit} s limit", "first_token_timeout"
+        return GenerationChunk(error=ErrorInfo(504, message, type="timeout_error", code=code))
 
     def _chunks(self, events: list[TokenEvent], states: list["_OutputState"], usage: "_Usage") -> list[GenerationChunk]:
         """One chunk per choice that has news in this batch of events, in choice order."""
