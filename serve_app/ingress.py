@@ -46,9 +46,10 @@ from serve_app.metrics import (
     RecordingStream,
     RequestRecord,
     current_record,
+    route_request_log_to_serve,
 )
 from serve_app.protocol import ChatCompletionRequest, ModelCard, ModelList
-from workers.protocol import GenerateRequest, GenerationChunk, ModelInfo
+from workers.protocol import ErrorInfo, GenerateRequest, GenerationChunk, ModelInfo
 
 logger = logging.getLogger("chatserve.ingress")
 
@@ -133,6 +134,35 @@ async def _accumulate(acc: Accumulator, first: GenerationChunk, stream) -> str:
     return acc.result().dump_json()
 
 
+class _GuardedStream:
+    """The worker call; if the worker fails mid-request (replica died, RPC error), the
+    request ends with an error chunk (503, retryable) instead of a broken connection."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+        self._failed = False
+
+    def __aiter__(self) -> "_GuardedStream":
+        return self
+
+    async def __anext__(self) -> GenerationChunk:
+        if self._failed:
+            raise StopAsyncIteration
+        try:
+            return await self._stream.__anext__()
+        except (StopAsyncIteration, BackPressureError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - any worker-side failure ends this request only
+            logger.warning("model worker call failed: %s", type(exc).__name__)
+            self._failed = True
+            return GenerationChunk(error=ErrorInfo(
+                503, f"the model worker failed ({type(exc).__name__}); retry the request",
+                type="server_error", code="worker_failed"))
+
+    def cancel(self) -> None:
+        self._stream.cancel()
+
+
 @serve.deployment(name="ChatIngress")
 @serve.ingress(api)
 class ChatIngress(HandleAPI):
@@ -143,6 +173,7 @@ class ChatIngress(HandleAPI):
         self._infos: dict[str, ModelInfo] = {}
         self.created = int(time.time())
         self.metrics = IngressMetrics(list(workers))  # this replica's own registry
+        route_request_log_to_serve()
 
     @api.get("/health")
     async def health(self) -> dict:
@@ -222,7 +253,7 @@ class ChatIngress(HandleAPI):
         record = current_record() or self.metrics.begin("")
         record.request_id = gen_request.request_id
         try:
-            stream = RecordingStream(handle.options(stream=True).generate.remote(gen_request), record)
+            stream = RecordingStream(_GuardedStream(handle.options(stream=True).generate.remote(gen_request)), record)
             first = await self._first_chunk(stream, param_names)
             if stream_response:
                 return StreamingResponse(_cancel_on_exit(output.events(first, stream), stream, record),

@@ -50,6 +50,23 @@ def current_record() -> RequestRecord | None:
     return _current.get()
 
 
+def route_request_log_to_serve() -> None:
+    """In a Serve replica, write `chatserve.requests` to the replica's Serve log at INFO.
+
+    Ray Serve configures only the `ray.serve` logger (the root logger of a Ray worker is
+    at WARNING), so without this the INFO lines would go nowhere. Left alone when the
+    logger was already configured (a level or a handler of its own)."""
+    if request_logger.handlers or request_logger.level != logging.NOTSET:
+        return
+    handlers = logging.getLogger("ray.serve").handlers
+    if not handlers:
+        return
+    for handler in handlers:
+        request_logger.addHandler(handler)
+    request_logger.setLevel(logging.INFO)
+    request_logger.propagate = False  # the Serve handlers already write it once
+
+
 class IngressMetrics:
     def __init__(self, served_models: list[str] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)

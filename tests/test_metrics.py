@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 import httpx
 import pytest
@@ -106,6 +107,19 @@ def test_other_routes_are_counted_under_their_own_route(tiny_app):
     assert value(after, "chatserve_requests_total", **labels) - value(before, "chatserve_requests_total",
                                                                       **labels) == 1
 
+
+
+def test_a_stream_the_client_leaves_counts_as_499(tiny_app):
+    labels = dict(route=CHAT, model=TINY_MODEL_ID, status="499")
+    before = value(scrape(tiny_app), "chatserve_requests_total", **labels)
+    body = {"model": TINY_MODEL_ID, "messages": MESSAGES, "stream": True, "max_tokens": 200, "ignore_eos": True}
+    with httpx.stream("POST", tiny_app + CHAT, json=body, timeout=60) as resp:
+        assert next(resp.iter_lines()).startswith("data: ")
+    # The ingress learns of the disconnect a moment after the client closes.
+    deadline = time.time() + 20
+    while value(scrape(tiny_app), "chatserve_requests_total", **labels) - before < 1 and time.time() < deadline:
+        time.sleep(0.2)
+    assert value(scrape(tiny_app), "chatserve_requests_total", **labels) - before == 1
 
 # -- unit: the record and its log line --------------------------------------------------
 
