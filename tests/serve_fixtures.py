@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from dataclasses import dataclass
@@ -59,6 +60,9 @@ def serve_instance():
     from ray import serve
 
     port = free_port()
+    # Autoscaling metrics every 0.5 s instead of 10 s, so the autoscaling test runs in seconds.
+    for name in ("RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"):
+        os.environ.setdefault(name, "0.5")
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield ServeInstance(f"http://127.0.0.1:{port}")

@@ -500,3 +500,51 @@ def test_request_timeout_cuts_a_long_request(paged_model, tiny_tokenizer):
     assert chunks[-1].error is not None and chunks[-1].error.code == "request_timeout"
     assert 0 < sum(len(c.token_ids) for c in chunks[:-1]) < 200  # some tokens came before the cut
     assert engine.blocks.num_used_blocks == 0 and engine.num_active == 0
+
+
+def test_a_hung_step_is_visible_to_the_health_check(paged_model, tiny_tokenizer):
+    engine = make_engine(paged_model, max_model_len=256)
+    release = threading.Event()
+    step = engine.step
+
+    def hanging_step():
+        release.wait(5)
+        return step()
+
+    engine.step = hanging_step
+
+    async def body(aengine):
+        aengine.add_request(_template_ids(tiny_tokenizer, "Hi"), greedy(2))
+        await asyncio.sleep(0.3)
+        stuck = aengine.stuck_for()
+        release.set()
+        await _wait_idle(aengine.engine)
+        return stuck, aengine.stuck_for()
+
+    stuck, after = asyncio.run(_with_async_engine(engine, body))
+    assert stuck >= 0.25  # the deployment's check_health fails past engine.step_hang_timeout_s
+    assert after == 0.0
+
+
+def test_worker_health_check_fails_on_a_hung_or_dead_engine(tiny_model_dir):
+    from workers.deployment import ModelWorker
+
+    config = {"id": "tiny", "source": str(tiny_model_dir),
+              "engine": {"kv_cache_memory_gib": 0.001, "step_hang_timeout_s": 5, "torch_threads": 1}}
+
+    async def body():
+        worker = ModelWorker.func_or_class(config)
+        try:
+            worker.check_health()  # healthy
+            worker.engine.stuck_for = lambda: 6.0
+            with pytest.raises(RuntimeError, match="hung"):
+                worker.check_health()
+            worker.engine.stuck_for = lambda: 0.0
+            worker.engine.error = RuntimeError("boom")
+            with pytest.raises(RuntimeError, match="not running"):
+                worker.check_health()
+        finally:
+            worker.engine.error = None
+            worker.engine.stop()
+
+    asyncio.run(body())

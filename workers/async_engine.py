@@ -13,6 +13,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -82,6 +83,7 @@ class AsyncEngine:
         self._stopped = False
         self.error: BaseException | None = None
         self.steps = 0
+        self._step_started: float | None = None  # set while a step runs: hang detection
         self._thread = threading.Thread(target=self._run, name="chatserve-engine", daemon=True)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -96,6 +98,11 @@ class AsyncEngine:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
+
+    def stuck_for(self) -> float:
+        """Seconds the current model step has been running (0 when none is)."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
         """Check the request now (raises CapacityError), then queue it for the engine thread."""
@@ -126,7 +133,9 @@ class AsyncEngine:
                     self._wake.wait()
                     self._wake.clear()
                     continue
+                self._step_started = time.monotonic()
                 events = self.engine.step()
+                self._step_started = None
                 self.steps += 1
                 if events:
                     self._loop.call_soon_threadsafe(_deliver, self._route(events))

@@ -22,6 +22,7 @@ class EngineConfig(_Strict):
     torch_threads: int | None = Field(None, ge=1, description="CPU only; default: all cores")
     first_token_timeout_s: float | None = Field(None, gt=0, description="end a request with no token by then")
     request_timeout_s: float | None = Field(None, gt=0, description="end a request still running by then")
+    step_hang_timeout_s: float = Field(120, gt=0, description="a model step running longer fails the health check")
 
 
 class AutoscalingConfig(_Strict):
@@ -30,6 +31,8 @@ class AutoscalingConfig(_Strict):
     target_ongoing_requests: float = Field(32, gt=0)
     upscale_delay_s: float = Field(5, ge=0)
     downscale_delay_s: float = Field(30, ge=0)
+    metrics_interval_s: float = Field(10, gt=0)
+    look_back_period_s: float = Field(30, gt=0)
 
 
 class DeploymentConfig(_Strict):
@@ -38,6 +41,7 @@ class DeploymentConfig(_Strict):
     num_replicas: int = Field(1, ge=1)
     max_ongoing_requests: int = Field(256, ge=1)
     max_queued_requests: int = Field(-1, ge=-1)
+    graceful_shutdown_timeout_s: float = Field(30, ge=0, description="in-flight requests may finish this long")
     autoscaling_config: AutoscalingConfig | None = None
     ray_actor_options: dict[str, Any] = Field(default_factory=dict)
 
@@ -45,6 +49,7 @@ class DeploymentConfig(_Strict):
         options: dict[str, Any] = {
             "max_ongoing_requests": self.max_ongoing_requests,
             "max_queued_requests": self.max_queued_requests,
+            "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s,
             "ray_actor_options": dict(self.ray_actor_options),
         }
         if self.autoscaling_config is not None:

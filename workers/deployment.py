@@ -97,8 +97,12 @@ class ModelWorker:
         )
 
     def check_health(self) -> None:
+        """Serve calls this periodically; raising marks the replica unhealthy and replaces it."""
         if not self.engine.alive:
             raise RuntimeError(f"engine thread is not running: {self.engine.error!r}")
+        stuck = self.engine.stuck_for()
+        if stuck > self.config.engine.step_hang_timeout_s:
+            raise RuntimeError(f"engine step running for {stuck:.0f} s: the engine loop is hung")
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)
