@@ -44,13 +44,12 @@ Response:
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from serve_app.chat_completions import sse, sse_json
+from serve_app.chat_completions import new_request_id, sse, sse_json
 from serve_app.errors import APIError
 from serve_app.protocol import RequestModel, or_default
 from workers.protocol import GenerateRequest, GenerationChunk
@@ -68,10 +67,6 @@ WORKER_PARAM_NAMES = {"max_tokens": "max_completion_tokens"}
 
 _USER_ROLES = ("user", "function")
 _TEMPLATE_ROLES = {"function": "tool"}
-
-
-def new_request_id() -> str:
-    return f"chatcmpl-{uuid.uuid4().hex}"
 
 
 # ----------------------------------------------------------------------------- request
