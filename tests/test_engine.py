@@ -548,3 +548,31 @@ def test_worker_health_check_fails_on_a_hung_or_dead_engine(tiny_model_dir):
             worker.engine.stop()
 
     asyncio.run(body())
+
+
+def test_an_exception_in_one_requests_sampling_fails_that_request_only(paged_model, tiny_tokenizer):
+    """The step is undone and its requests re-run one at a time: only the poisoned one fails,
+    the others finish with exactly the tokens they get without it."""
+    prompts = [_template_ids(tiny_tokenizer, t) for t in ("Hello there", "Paris is", "def add(a, b):")]
+    clean = make_engine(paged_model)
+    ids = [clean.add_request(p, greedy(8)) for p in prompts]
+    expected = run_to_completion(clean)
+
+    engine = make_engine(paged_model)
+    sampler = engine.sampler
+    poison_seed = 666
+
+    def poisoned_sampler(logits, tensors):
+        if tensors.generators:  # the (only) seeded request is in this step
+            raise RuntimeError("injected sampling failure")
+        return sampler(logits, tensors)
+
+    engine.sampler = poisoned_sampler
+    good = [engine.add_request(p, greedy(8)) for p in prompts]
+    bad = engine.add_request(prompts[0], SamplingParams(max_tokens=8, temperature=1.0, seed=poison_seed))
+    events = run_to_completion(engine)
+    assert [e.error is not None for e in events[bad]] == [True]
+    assert events[bad][0].request_finished
+    for rid, ref in zip(good, ids):
+        assert [e.token_id for e in events[rid]] == [e.token_id for e in expected[ref]]
+    assert engine.blocks.num_used_blocks == 0 and engine.scheduler.only_request is None

@@ -7,6 +7,7 @@ in unit tests); async_engine.py puts it behind asyncio streams.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 
@@ -22,6 +23,8 @@ from workers.scheduler import Scheduler, SchedulerConfig
 from workers.sequence import FinishReason, Sequence
 
 TopList = list[tuple[int, float]]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ class TokenEvent:
     prompt_logprobs: list[tuple[int, float, TopList]] | None = None
     beam_token_ids: list[int] | None = None  # beam search: a whole finished beam (token_id is -1)
     request_finished: bool = False  # the request's last event
+    error: str | None = None  # the request failed inside a model step (token_id is -1)
 
 
 class CapacityError(ValueError):
@@ -85,6 +89,7 @@ class LLMEngine:
         self._requests: dict[int, list[Sequence]] = {}  # request id -> its live choices
         self._beams: dict[int, BeamGroup] = {}  # beam-search requests
         self._pending_beam_rows: dict[int, torch.Tensor] = {}  # seq id -> logprobs, until siblings catch up
+        self._suspects: list[int] = []  # requests of a failed step, re-run one at a time
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise CapacityError if the request can never run here. Reads only fixed limits,
@@ -138,9 +143,44 @@ class LLMEngine:
         return len(self._requests)
 
     def step(self) -> list[TokenEvent]:
+        """One model step. If it raises, the step is undone and its requests are re-run one
+        at a time, so only the request that makes a step fail is failed."""
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
+        snapshot = _StepSnapshot.take(batch, self._requests, self._pending_beam_rows)
+        try:
+            events = self._execute(batch)
+        except Exception as exc:  # noqa: BLE001 - contained to the request(s) of this step
+            return self._contain(batch, snapshot, exc)
+        if self.scheduler.only_request is not None:
+            self._next_suspect()  # the suspect stepped cleanly
+        return events
+
+    def _contain(self, batch, snapshot: "_StepSnapshot", exc: Exception) -> list[TokenEvent]:
+        request_ids = snapshot.request_ids
+        if len(request_ids) > 1 and snapshot.restore(self):
+            self._suspects = [r for r in request_ids if r in self._requests]
+            self.scheduler.only_request = self._suspects[0]
+            return []
+        # Alone (or not restorable): these requests fail; everyone else goes on.
+        logger.exception("model step failed for request(s) %s", request_ids)
+        now = time.perf_counter()
+        events = []
+        for request_id in request_ids:
+            if request_id in self._requests:
+                self.abort_request(request_id)
+                events.append(TokenEvent(request_id, 0, -1, FinishReason.ABORT, None, now,
+                                         request_finished=True, error=f"{type(exc).__name__}: {exc}"))
+        if self.scheduler.only_request is not None:
+            self._next_suspect()
+        return events
+
+    def _next_suspect(self) -> None:
+        self._suspects = [r for r in self._suspects[1:] if r in self._requests]
+        self.scheduler.only_request = self._suspects[0] if self._suspects else None
+
+    def _execute(self, batch) -> list[TokenEvent]:
         self.kv_cache.copy_blocks(batch.block_copies)
         logits, prompt_rows = self.runner.forward(batch.decodes, batch.prefills)
         logits = logits[:, : self.vocab_size]
@@ -293,3 +333,42 @@ class LLMEngine:
         group.remove(seq)
         if not group:
             del self._requests[seq.request_id]
+
+
+@dataclass
+class _StepSnapshot:
+    """What a step may change, so a failed step can be undone before it is retried."""
+
+    request_ids: list[int]
+    seqs: list[tuple[Sequence, int, int, float]]  # (seq, num_computed, num_tokens, cum_logprob)
+    groups: dict[int, list[Sequence]]
+    pending_beam_rows: dict[int, torch.Tensor]
+
+    @classmethod
+    def take(cls, batch, requests: dict[int, list[Sequence]], pending: dict[int, torch.Tensor]) -> "_StepSnapshot":
+        seqs = [c.seq for c in batch.decodes + batch.prefills]
+        request_ids = list(dict.fromkeys(s.request_id for s in seqs))
+        return cls(
+            request_ids=request_ids,
+            seqs=[(s, s.num_computed_tokens, s.num_tokens, s.cum_logprob) for s in seqs],
+            groups={r: list(requests.get(r, [])) for r in request_ids},
+            pending_beam_rows=dict(pending),
+        )
+
+    def restore(self, engine: "LLMEngine") -> bool:
+        """Undo the step; False when a sequence already finished (its events would be lost)."""
+        if any(seq.is_finished for seq, *_ in self.seqs):
+            return False
+        for request_id, before in self.groups.items():
+            known = {id(s) for s in before}
+            for seq in engine._requests.get(request_id, []):
+                if id(seq) not in known:  # forked during the failed step
+                    engine.scheduler.drop(seq)
+            engine._requests[request_id] = before
+        for seq, computed, length, cum in self.seqs:
+            seq.num_computed_tokens = computed
+            del seq.token_ids[length:]
+            seq.cum_logprob = cum
+        engine._pending_beam_rows.clear()
+        engine._pending_beam_rows.update(self.pending_beam_rows)
+        return True

@@ -94,6 +94,12 @@ class RequestProcessor:
 
     def _chunks(self, events: list[TokenEvent], states: list["_OutputState"], usage: "_Usage") -> list[GenerationChunk]:
         """One chunk per choice that has news in this batch of events, in choice order."""
+        failed = next((e for e in events if e.error is not None), None)
+        if failed is not None:
+            for state in states:
+                state.finished = True
+            return [GenerationChunk(error=ErrorInfo(500, f"this request failed inside the engine ({failed.error})",
+                                                    type="internal_error", code="engine_error"))]
         by_choice: dict[int, list[TokenEvent]] = {}
         for event in events:
             by_choice.setdefault(event.index, []).append(event)

@@ -60,6 +60,8 @@ class Scheduler:
         self.blocks = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # While the engine isolates a failing step: schedule this request alone.
+        self.only_request: int | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -94,6 +96,8 @@ class Scheduler:
         queue = list(self.running)
         while queue and budget > 0:
             seq = queue.pop(0)
+            if self.only_request is not None and seq.request_id != self.only_request:
+                continue
             n = min(seq.num_uncomputed_tokens, budget)
             if n == 0:
                 continue  # a beam waiting for its siblings' logits (beam search steps together)
@@ -114,12 +118,14 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        candidates = [s for s in self.waiting if self.only_request in (None, s.request_id)]
+        for seq in candidates:
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
             n = min(seq.num_uncomputed_tokens, budget)
             if not self.blocks.can_allocate(seq, n):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             batch.block_copies.extend(self.blocks.allocate(seq, n))
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
