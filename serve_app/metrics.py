@@ -77,6 +77,9 @@ class IngressMetrics:
         self.ttft = Histogram("chatserve_time_to_first_token_seconds",
                               "Time to first token as measured by the worker (includes its queue time)",
                               ["model"], buckets=TTFT_BUCKETS, registry=r)
+        self.queue_time = Histogram("chatserve_queue_time_seconds",
+                                    "Time a request waited in the worker's engine before its first model step",
+                                    ["model"], buckets=TTFT_BUCKETS, registry=r)
         self.tpot = Histogram("chatserve_time_per_output_token_seconds",
                               "Mean time per output token after the first, one observation per request",
                               ["model"], buckets=TPOT_BUCKETS, registry=r)
@@ -111,6 +114,8 @@ class IngressMetrics:
         self.e2e.labels(rec.route, model).observe(rec.e2e_s)
         if rec.ttft_ms is not None:
             self.ttft.labels(model).observe(rec.ttft_ms / 1000)
+        if rec.queue_ms is not None:
+            self.queue_time.labels(model).observe(rec.queue_ms / 1000)
         if rec.decode_count:
             self.tpot.labels(model).observe(rec.decode_sum_ms / rec.decode_count / 1000)
         if rec.prompt_tokens:
@@ -156,7 +161,7 @@ class RequestRecord:
     """What one request's metrics and log line need; filled cheaply, observed once."""
 
     __slots__ = ("metrics", "route", "model", "request_id", "stream", "start", "status", "ttft_ms",
-                 "decode_sum_ms", "decode_count", "prompt_tokens", "completion_tokens", "error_type",
+                 "decode_sum_ms", "decode_count", "queue_ms", "prompt_tokens", "completion_tokens", "error_type",
                  "error_message", "finish_reasons", "e2e_s", "finished")
 
     def __init__(self, metrics: IngressMetrics, route: str) -> None:
@@ -170,6 +175,7 @@ class RequestRecord:
         self.ttft_ms: float | None = None
         self.decode_sum_ms = 0.0
         self.decode_count = 0
+        self.queue_ms: float | None = None
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.error_type: str | None = None
@@ -187,6 +193,8 @@ class RequestRecord:
         """One worker chunk: only what is needed at the end (O(1) but for decode_times_ms)."""
         if chunk.prefill_time_ms is not None and self.ttft_ms is None:
             self.ttft_ms = chunk.prefill_time_ms
+        if chunk.queue_time_ms is not None and self.queue_ms is None:
+            self.queue_ms = chunk.queue_time_ms
         times = chunk.decode_times_ms
         if times:
             self.decode_sum_ms += sum(times)
@@ -233,6 +241,7 @@ class RequestRecord:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "ttft_ms": None if self.ttft_ms is None else round(self.ttft_ms, 3),
+            "queue_ms": None if self.queue_ms is None else round(self.queue_ms, 3),
             "tpot_ms": round(self.decode_sum_ms / self.decode_count, 3) if self.decode_count else None,
             "e2e_ms": round(self.e2e_s * 1000, 3),
         }

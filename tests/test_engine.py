@@ -576,3 +576,14 @@ def test_an_exception_in_one_requests_sampling_fails_that_request_only(paged_mod
     for rid, ref in zip(good, ids):
         assert [e.token_id for e in events[rid]] == [e.token_id for e in expected[ref]]
     assert engine.blocks.num_used_blocks == 0 and engine.scheduler.only_request is None
+
+
+def test_queue_time_is_reported_once_per_request(paged_model, tiny_tokenizer):
+    engine = make_engine(paged_model, max_num_seqs=1)  # the second request must wait for the first
+    first = engine.add_request(_template_ids(tiny_tokenizer, "Hi"), greedy(6))
+    second = engine.add_request(_template_ids(tiny_tokenizer, "Hello"), greedy(2))
+    events = run_to_completion(engine)
+    for rid in (first, second):
+        assert events[rid][0].queue_time is not None and events[rid][0].queue_time >= 0
+        assert all(e.queue_time is None for e in events[rid][1:])
+    assert events[second][0].queue_time > events[first][0].queue_time  # waited for six steps

@@ -53,3 +53,23 @@ def test_killed_worker_ends_the_stream_with_an_error_then_recovers(fault_app):
         assert time.time() < deadline, "the replacement replica never served"
         time.sleep(1)
     assert resp.json()["usage"]["completion_tokens"] == 3
+
+
+def test_graceful_shutdown_lets_a_running_stream_finish(serve_instance, tiny_model_dir):
+    import threading
+
+    serve.run(build_app(tiny_app_args(tiny_model_dir)), name="drain", route_prefix="/drain", blocking=False)
+    url = serve_instance.url("/drain")
+    wait_ready(url)
+    body = {**BODY, "max_tokens": 240, "stream": True}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as resp:
+        lines = resp.iter_lines()
+        assert next(lines).startswith("data: ")
+        deleter = threading.Thread(target=serve.delete, args=("drain",))
+        deleter.start()  # shutdown begins while the stream runs
+        rest = [line for line in lines if line]
+    deleter.join(timeout=60)
+    assert rest[-1] == "data: [DONE]"
+    finishes = [json.loads(line[6:])["choices"][0].get("finish_reason") for line in rest[:-1]
+                if json.loads(line[6:]).get("choices")]
+    assert finishes[-1] == "length"  # the whole answer, not an error

@@ -82,6 +82,7 @@ def test_metrics_count_what_was_sent(tiny_app):
 
     assert moved("chatserve_time_to_first_token_seconds_count", model=TINY_MODEL_ID) == 2
     assert moved("chatserve_time_to_first_token_seconds_sum", model=TINY_MODEL_ID) > 0
+    assert moved("chatserve_queue_time_seconds_count", model=TINY_MODEL_ID) == 2
     assert moved("chatserve_time_per_output_token_seconds_count", model=TINY_MODEL_ID) == 2
     assert moved("chatserve_e2e_request_latency_seconds_count", route=CHAT, model=TINY_MODEL_ID) == 2
     assert moved("chatserve_e2e_request_latency_seconds_count", route=CHAT, model="") == 2
@@ -172,7 +173,7 @@ def test_log_line_has_no_prompt_text(caplog):
     assert SECRET_PROMPT not in caplog.text and "launch code" not in caplog.text
     line = json.loads(lines[0].getMessage())
     assert line == {"request_id": "chatcmpl-test", "route": CHAT, "model": TINY_MODEL_ID, "status": 200,
-                    "stream": True, "prompt_tokens": 9, "completion_tokens": 3, "ttft_ms": 12.5, "tpot_ms": 3.0,
+                    "stream": True, "prompt_tokens": 9, "completion_tokens": 3, "ttft_ms": 12.5, "queue_ms": None, "tpot_ms": 3.0,
                     "e2e_ms": line["e2e_ms"]}
     assert line["e2e_ms"] >= 0
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value

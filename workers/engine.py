@@ -53,6 +53,7 @@ class TokenEvent:
     beam_token_ids: list[int] | None = None  # beam search: a whole finished beam (token_id is -1)
     request_finished: bool = False  # the request's last event
     error: str | None = None  # the request failed inside a model step (token_id is -1)
+    queue_time: float | None = None  # seconds waiting before the first step; on the first event
 
 
 class CapacityError(ValueError):
@@ -309,7 +310,8 @@ class LLMEngine:
             if reason is not None:
                 self._retire(seq)
             lp, top = logprobs.get(row, (None, None))
-            first = seq.num_output_tokens == 1 and seq.index == 0 and seq.params.prompt_logprobs is not None
+            first_token = seq.num_output_tokens == 1 and seq.index == 0
+            first = first_token and seq.params.prompt_logprobs is not None
             events.append(
                 TokenEvent(
                     request_id=seq.request_id,
@@ -322,6 +324,7 @@ class LLMEngine:
                     top_logprobs=top,
                     prompt_logprobs=list(seq.prompt_logprobs) if first else None,
                     request_finished=reason is not None and seq.request_id not in self._requests,
+                    queue_time=seq.queue_time if first_token else None,
                 )
             )
         return events

@@ -65,6 +65,7 @@ class GenerationChunk:
     prompt_tokens: int = 0
     completion_tokens: int = 0  # running total
     prefill_time_ms: float | None = None  # on the chunk that carries the first token
+    queue_time_ms: float | None = None  # on that chunk too: waiting before the first model step
     decode_times_ms: list[float] = field(default_factory=list)  # one per later token
     logprobs: list[TokenLogprob] | None = None  # one per token of `text`, when asked
     prompt_logprobs: list[dict[int, TopLogprob] | None] | None = None  # first chunk only, when asked

@@ -156,6 +156,8 @@ class _OutputState:
             chunk.logprobs = []
         texts: list[str] = []
         for event in events:
+            if event.queue_time is not None:
+                chunk.queue_time_ms = event.queue_time * 1000.0
             if event.beam_token_ids is not None:
                 return self._whole_beam(chunk, event, usage)
             self._time(chunk, event.time)

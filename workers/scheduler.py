@@ -12,6 +12,7 @@ Policy (one step):
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -126,6 +127,8 @@ class Scheduler:
             if not self.blocks.can_allocate(seq, n):
                 break
             self.waiting.remove(seq)
+            if seq.queue_time is None:
+                seq.queue_time = time.perf_counter() - seq.arrival_time
             batch.block_copies.extend(self.blocks.allocate(seq, n))
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

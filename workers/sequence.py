@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -46,11 +47,14 @@ class Sequence:
     stop_token_id: int | None = None
     generator: torch.Generator | None = None
     cum_logprob: float = 0.0  # beam search only
+    arrival_time: float = 0.0  # perf_counter() when the engine took the request
+    queue_time: float | None = None  # seconds from arrival to its first scheduled step
     # (token_id, logprob, top [(id, logprob)]) per prompt position after the first.
     prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
+        self.arrival_time = self.arrival_time or time.perf_counter()
         if self.request_id < 0:
             self.request_id = self.seq_id
         if self.params.seed is not None:
