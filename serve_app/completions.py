@@ -33,7 +33,7 @@ from pydantic import Field, field_validator, model_validator
 
 from serve_app.chat_completions import openai_sampling_kwargs, sse, sse_json, usage_of
 from serve_app.errors import APIError, unsupported
-from serve_app.protocol import RequestModel, ResponseModel, StreamOptions, Usage, or_default
+from serve_app.protocol import RequestModel, ResponseModel, StopStrings, StreamOptions, Usage, or_default, stop_tuple
 from workers.protocol import GenerateRequest, GenerationChunk
 from workers.sampling_params import SamplingParams
 
@@ -57,7 +57,7 @@ class CompletionRequest(RequestModel):
     top_k: int | None = Field(None, ge=-1)  # None, 0 and -1: off
     min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stop: str | list[str] | None = None
+    stop: StopStrings = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -90,14 +90,6 @@ class CompletionRequest(RequestModel):
         if isinstance(prompt, str) and not prompt:
             raise ValueError("prompt must not be empty")
         return prompt
-
-    @field_validator("stop")
-    @classmethod
-    def _non_empty_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        stops = [stop] if isinstance(stop, str) else (stop or [])
-        if any(s == "" for s in stops):
-            raise ValueError("stop strings must be non-empty")
-        return stop
 
     @field_validator("logit_bias")
     @classmethod
@@ -132,7 +124,7 @@ class CompletionRequest(RequestModel):
 
     @property
     def stop_list(self) -> tuple[str, ...]:
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return stop_tuple(self.stop)
 
 
 

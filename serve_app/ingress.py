@@ -37,7 +37,6 @@ from serve_app.chat_completions import (
     to_generate_request,
 )
 from serve_app.config import AppConfig
-from serve_app.handle_api import HandleAPI
 from serve_app.errors import APIError, not_found_model, validation_error
 from serve_app.metrics import (
     CONTENT_TYPE,
@@ -48,6 +47,7 @@ from serve_app.metrics import (
     current_record,
     route_request_log_to_serve,
 )
+from serve_app.handle_api import HandleAPI
 from serve_app.protocol import ChatCompletionRequest, ModelCard, ModelList
 from workers.protocol import ErrorInfo, GenerateRequest, GenerationChunk, ModelInfo
 

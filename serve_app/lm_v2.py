@@ -51,7 +51,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from serve_app.chat_completions import new_request_id, sse, sse_json
 from serve_app.errors import APIError
-from serve_app.protocol import RequestModel, or_default
+from serve_app.protocol import RequestModel, StopStrings, or_default, stop_tuple
 from workers.protocol import GenerateRequest, GenerationChunk
 from workers.sampling_params import SamplingParams
 
@@ -94,7 +94,7 @@ class LmV2ChatRequest(RequestModel):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)  # None: 0
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)  # None: 0
     max_completion_tokens: int | None = Field(None, ge=1)
-    stop: str | list[str] | None = None
+    stop: StopStrings = None
 
     @field_validator("messages")
     @classmethod
@@ -114,14 +114,6 @@ class LmV2ChatRequest(RequestModel):
                 )
         return messages
 
-    @field_validator("stop")
-    @classmethod
-    def _non_empty_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        stops = [stop] if isinstance(stop, str) else (stop or [])
-        if any(s == "" for s in stops):
-            raise ValueError("stop strings must be non-empty")
-        return stop
-
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "LmV2ChatRequest":
         if self.stream_options is not None and not self.stream:
@@ -130,7 +122,7 @@ class LmV2ChatRequest(RequestModel):
 
     @property
     def stop_list(self) -> tuple[str, ...]:
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return stop_tuple(self.stop)
 
     @property
     def include_usage(self) -> bool:

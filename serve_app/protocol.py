@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 
 class RequestModel(BaseModel):
@@ -67,6 +67,23 @@ MAX_STOP_STRINGS = 256
 MAX_LOGPROBS = 20
 
 
+def _check_stops(stop: str | list[str] | None) -> str | list[str] | None:
+    stops = [stop] if isinstance(stop, str) else (stop or [])
+    if any(s == "" for s in stops):
+        raise ValueError("stop strings must be non-empty")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
+    return stop
+
+
+# The `stop` field of every route: a string or a list of non-empty strings, at most 256.
+StopStrings = Annotated[str | list[str] | None, AfterValidator(_check_stops)]
+
+
+def stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
+    return (stop,) if isinstance(stop, str) else tuple(stop or ())
+
+
 class ChatCompletionRequest(RequestModel):
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
@@ -83,7 +100,7 @@ class ChatCompletionRequest(RequestModel):
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stop: str | list[str] | None = None
+    stop: StopStrings = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -109,11 +126,6 @@ class ChatCompletionRequest(RequestModel):
     def _cross_field_rules(self) -> "ChatCompletionRequest":
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
-        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        if any(s == "" for s in stops):
-            raise ValueError("stop strings must be non-empty")
-        if len(stops) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
         return self
 
     def cross_field_error(self) -> tuple[str, str] | None:
@@ -168,7 +180,7 @@ class ChatCompletionRequest(RequestModel):
 
     @property
     def stop_list(self) -> tuple[str, ...]:
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return stop_tuple(self.stop)
 
 
 # ---------------------------------------------------------------------------- responses

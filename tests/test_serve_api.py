@@ -149,7 +149,8 @@ def test_seeded_sampling_is_reproducible(client):
         ({"model": TINY_MODEL_ID, "messages": MESSAGES, "use_beam_search": True, "n": 3, "best_of": 2}, 400, "best_of"),
         ({"model": TINY_MODEL_ID, "messages": MESSAGES, "length_penalty": 0.5}, 400, "length_penalty"),
         ({"model": TINY_MODEL_ID, "messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-        ({"model": TINY_MODEL_ID, "messages": MESSAGES, "stop": ["x"] * 300}, 400, None),
+        ({"model": TINY_MODEL_ID, "messages": MESSAGES, "stop": ["x"] * 300}, 400, "stop"),
+        ({"model": TINY_MODEL_ID, "messages": MESSAGES, "stop": ["ok", ""]}, 400, "stop"),
         ({"model": "no-such-model", "messages": MESSAGES}, 404, "model"),
     ],
 )

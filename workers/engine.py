@@ -133,9 +133,6 @@ class LLMEngine:
             self._pending_beam_rows.pop(seq.seq_id, None)
             self.scheduler.abort(seq)
 
-    def is_active(self, request_id: int) -> bool:
-        return request_id in self._requests
-
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 

@@ -69,7 +69,6 @@ class GenerationChunk:
     decode_times_ms: list[float] = field(default_factory=list)  # one per later token
     logprobs: list[TokenLogprob] | None = None  # one per token of `text`, when asked
     prompt_logprobs: list[dict[int, TopLogprob] | None] | None = None  # first chunk only, when asked
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: ErrorInfo | None = None
 
 
