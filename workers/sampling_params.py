@@ -3,6 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class GuidedDecoding:
+    """A constraint on the output text, enforced token by token (workers/guided.py).
+
+    `kind` says how `spec` reads: "json_schema" (the JSON text of a JSON schema),
+    "lark" (a llguidance Lark grammar, which may embed schemas with `%json {...}`), or
+    "regex". Built at the API edge (response_format, tool_choice, strict tools).
+    """
+
+    kind: Literal["json_schema", "lark", "regex"]
+    spec: str
 
 
 @dataclass(frozen=True)
@@ -39,6 +53,7 @@ class SamplingParams:
     use_beam_search: bool = False
     best_of: int | None = None  # beam width; default n
     length_penalty: float = 1.0
+    guided: GuidedDecoding | None = None  # constrained decoding (structured output, forced tool calls)
 
     @property
     def beam_width(self) -> int:
