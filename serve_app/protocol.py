@@ -131,7 +131,7 @@ class ChatCompletionRequest(RequestModel):
     def cross_field_error(self) -> tuple[str, str] | None:
         """(param, message) for rules between fields that name one field, else None."""
         if self.use_beam_search:
-            return self._beam_search_error()
+            return beam_search_error(self)
         if self.best_of is not None:
             return "best_of", "best_of is only supported with use_beam_search"
         if self.length_penalty is not None and self.length_penalty != 1.0:
@@ -150,22 +150,6 @@ class ChatCompletionRequest(RequestModel):
                 return "logit_bias", f"logit_bias values must be in [-100, 100], got {bias} for token {key}"
         return None
 
-    def _beam_search_error(self) -> tuple[str, str] | None:
-        # The MaaS rules (seed 003): n > 1, temperature 0, top_p 1, top_k -1 (or 0).
-        if self.n < 2:
-            return "n", "beam search needs n > 1"
-        if self.best_of is not None and self.best_of < self.n:
-            return "best_of", f"best_of ({self.best_of}) must be at least n ({self.n})"
-        if self.temperature not in (None, 0.0):
-            return "temperature", "beam search needs temperature 0"
-        if self.top_p not in (None, 1.0):
-            return "top_p", "beam search needs top_p 1"
-        if self.top_k not in (None, -1, 0):
-            return "top_k", "beam search needs top_k -1"
-        if self.logprobs:
-            return "logprobs", "logprobs are not available with beam search"
-        return None
-
     def unsupported_field(self) -> str | None:
         """The first known-but-unimplemented field set to a non-neutral value, if any."""
         for name, neutral in UNSUPPORTED_UNLESS_NEUTRAL.items():
@@ -181,6 +165,24 @@ class ChatCompletionRequest(RequestModel):
     @property
     def stop_list(self) -> tuple[str, ...]:
         return stop_tuple(self.stop)
+
+
+def beam_search_error(req) -> tuple[str, str] | None:
+    """(param, message) when a beam-search request breaks the MaaS rules (seed 003):
+    n > 1, temperature 0, top_p 1, top_k -1 (or 0); no logprobs. Any route's request."""
+    if req.n < 2:
+        return "n", "beam search needs n > 1"
+    if req.best_of is not None and req.best_of < req.n:
+        return "best_of", f"best_of ({req.best_of}) must be at least n ({req.n})"
+    if req.temperature not in (None, 0.0):
+        return "temperature", "beam search needs temperature 0"
+    if req.top_p not in (None, 1.0):
+        return "top_p", "beam search needs top_p 1"
+    if req.top_k not in (None, -1, 0):
+        return "top_k", "beam search needs top_k -1"
+    if req.logprobs is not None and req.logprobs is not False:  # completions' logprobs=0 asks too
+        return "logprobs", "logprobs are not available with beam search"
+    return None
 
 
 # ---------------------------------------------------------------------------- responses

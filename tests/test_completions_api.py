@@ -18,7 +18,7 @@ from serve_app.completions import (
 )
 from serve_app.errors import APIError
 from tests.serve_fixtures import TINY_MODEL_ID
-from workers.protocol import ErrorInfo, GenerationChunk
+from workers.protocol import ErrorInfo, GenerationChunk, TokenLogprob, TopLogprob
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -67,16 +67,80 @@ def test_a_list_of_one_prompt_is_that_prompt():
     assert make(prompt=["hello"]).prompt == "hello"
 
 
+def test_suffix_is_refused():
+    with pytest.raises(APIError) as info:
+        to_generate_request(make(suffix="tail"), "r")
+    assert info.value.status == 400 and info.value.param == "suffix"
+    assert info.value.code == "unsupported_parameter"
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
-    [({"suffix": "tail"}, "suffix"), ({"n": 2}, "n"), ({"best_of": 3}, "best_of"), ({"logprobs": 1}, "logprobs"),
-     ({"use_beam_search": True}, "use_beam_search")],
+    [({"n": 2, "temperature": 0}, "n"), ({"best_of": 3, "top_k": 1}, "best_of"), ({"n": 3, "best_of": 2}, "best_of"),
+     ({"n": 1, "best_of": 2, "stream": True}, "best_of"), ({"logprobs": 1, "echo": True}, "logprobs"),
+     ({"use_beam_search": True}, "n"), ({"use_beam_search": True, "n": 2, "temperature": 0.5}, "temperature"),
+     ({"use_beam_search": True, "n": 2, "logprobs": 0}, "logprobs"), ({"length_penalty": 0.5}, "length_penalty")],
 )
-def test_unsupported_fields_are_refused(fields, param):
+def test_cross_field_rules(fields, param):
     with pytest.raises(APIError) as info:
         to_generate_request(make(**fields), "r")
     assert info.value.status == 400 and info.value.param == param
-    assert info.value.code == "unsupported_parameter"
+
+
+def test_n_best_of_beam_and_logprobs_map_to_sampling_params():
+    p = to_generate_request(make(n=3), "r").params
+    assert (p.n, p.logprobs, p.use_beam_search) == (3, None, False)
+    p = to_generate_request(make(n=2, best_of=5), "r").params
+    assert (p.n, p.logprobs) == (5, 0)  # ranking needs each sample's logprobs
+    p = to_generate_request(make(logprobs=3), "r").params
+    assert (p.n, p.logprobs) == (1, 3)
+    p = to_generate_request(make(n=2, best_of=4, use_beam_search=True, temperature=0, length_penalty=0.5), "r").params
+    assert (p.n, p.best_of, p.beam_width, p.use_beam_search, p.temperature, p.length_penalty) == (2, 4, 4, True, 0.0, 0.5)
+
+
+def _lp(token: str, logprob: float) -> TokenLogprob:
+    return TokenLogprob(token, 0, logprob, [TopLogprob(token, 0, logprob), TopLogprob("z", 1, logprob - 1)])
+
+
+def test_best_of_keeps_the_n_most_likely_choices_and_hides_unasked_logprobs():
+    acc = CompletionAccumulator("cmpl-1", make(n=2, best_of=3))
+    for index, (text, logprob) in enumerate([("low", -5.0), ("high", -0.5), ("mid", -1.0)]):
+        acc.add(GenerationChunk(index=index, text=text, logprobs=[_lp(text, logprob)], finish_reason="length",
+                                prompt_tokens=4, completion_tokens=index + 1))
+    body = acc.result().dump()
+    assert [(c["index"], c["text"], c["logprobs"]) for c in body["choices"]] == [(0, "high", None), (1, "mid", None)]
+    assert body["usage"]["completion_tokens"] == 3  # every sample counts
+
+
+def test_legacy_logprobs_shape_with_offsets():
+    acc = CompletionAccumulator("cmpl-1", make(logprobs=1))
+    acc.add(GenerationChunk(text="ab", logprobs=[_lp("a", -0.1), _lp("b", -0.2)], prompt_tokens=4, completion_tokens=2))
+    acc.add(GenerationChunk(text="c", logprobs=[_lp("c", -0.3)], finish_reason="length", prompt_tokens=4,
+                            completion_tokens=3))
+    lp = acc.result().dump()["choices"][0]["logprobs"]
+    assert lp == {"tokens": ["a", "b", "c"], "token_logprobs": [-0.1, -0.2, -0.3],
+                  "top_logprobs": [{"a": -0.1, "z": -1.1}, {"b": -0.2, "z": -1.2}, {"c": -0.3, "z": -1.3}],
+                  "text_offset": [0, 1, 2]}
+
+
+def test_stream_interleaves_choices_and_carries_logprobs():
+    streamer = CompletionStreamer("cmpl-1", make(n=2, logprobs=0, stream=True))
+    chunks = [GenerationChunk(index=0, text="a", logprobs=[_lp("a", -0.1)]),
+              GenerationChunk(index=1, text="x", logprobs=[_lp("x", -0.4)]),
+              GenerationChunk(index=1, text="y", logprobs=[_lp("y", -0.5)], finish_reason="length"),
+              GenerationChunk(index=0, text="b", logprobs=[_lp("b", -0.2)], finish_reason="length")]
+
+    async def rest():
+        for chunk in chunks[1:]:
+            yield chunk
+
+    async def collect():
+        return [e async for e in streamer.events(chunks[0], rest())]
+
+    events = [json.loads(e[len("data: "):]) for e in asyncio.run(collect())[:-1]]
+    got = [(e["choices"][0]["index"], e["choices"][0]["text"], e["choices"][0]["logprobs"]["text_offset"])
+           for e in events]
+    assert got == [(0, "a", [0]), (1, "x", [0]), (1, "y", [1]), (0, "b", [1])]
 
 
 def test_echo_and_stream_shapes():
@@ -139,6 +203,23 @@ def test_openai_client_non_streaming(client, tiny_tokenizer):
     assert out.usage.prompt_tokens == expected_prompt
     assert out.usage.completion_tokens == 5
     assert out.usage.total_tokens == expected_prompt + 5
+
+
+def test_openai_client_n_logprobs_best_of_and_beams(client):
+    out = client.completions.create(model=TINY_MODEL_ID, prompt=PROMPT, max_tokens=4, n=2, seed=1, logprobs=2,
+                                    extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in out.choices) == [0, 1] and out.usage.completion_tokens == 8
+    for choice in out.choices:
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+        assert all(len(top) <= 2 for top in lp.top_logprobs) and all(x <= 0 for x in lp.token_logprobs)
+        assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    best = client.completions.create(model=TINY_MODEL_ID, prompt=PROMPT, max_tokens=4, best_of=3, seed=2,
+                                     extra_body={"ignore_eos": True})
+    assert len(best.choices) == 1 and best.choices[0].logprobs is None and best.usage.completion_tokens == 12
+    beams = client.completions.create(model=TINY_MODEL_ID, prompt=PROMPT, max_tokens=4, n=2, temperature=0,
+                                      extra_body={"use_beam_search": True, "ignore_eos": True})
+    assert sorted(c.index for c in beams.choices) == [0, 1] and beams.choices[0].text != beams.choices[1].text
 
 
 def test_default_max_tokens_is_16(client):
@@ -206,8 +287,9 @@ def test_raw_sse(tiny_app):
         ({"model": TINY_MODEL_ID, "prompt": [[1, 2], [3]]}, "prompt"),
         ({"model": TINY_MODEL_ID, "prompt": ["a", "b"]}, "prompt"),
         ({"model": TINY_MODEL_ID, "prompt": PROMPT, "suffix": "x"}, "suffix"),
-        ({"model": TINY_MODEL_ID, "prompt": PROMPT, "n": 2}, "n"),
-        ({"model": TINY_MODEL_ID, "prompt": PROMPT, "logprobs": 2}, "logprobs"),
+        ({"model": TINY_MODEL_ID, "prompt": PROMPT, "n": 2, "temperature": 0}, "n"),
+        ({"model": TINY_MODEL_ID, "prompt": PROMPT, "logprobs": 21}, "logprobs"),
+        ({"model": TINY_MODEL_ID, "prompt": PROMPT, "best_of": 2, "stream": True}, "best_of"),
         ({"model": TINY_MODEL_ID, "prompt": PROMPT, "temperature": 3}, "temperature"),
         ({"model": TINY_MODEL_ID, "prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
         ({"model": TINY_MODEL_ID, "prompt": PROMPT, "logit_bias": {"100000": 1}}, "logit_bias"),
