@@ -141,9 +141,10 @@ class MediaResolver:
             raise image_error(param, "no such file in the server's media directory") from None
         except OSError as exc:
             raise image_error(param, f"the file cannot be read ({exc.strerror})") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise image_error(param, "the path is not a regular file")
         with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise image_error(param, "the path is not a regular file")
             data = f.read(self.options.max_image_bytes + 1)
         if len(data) > self.options.max_image_bytes:
             raise image_error(param, f"the image is larger than the limit of {self.options.max_image_bytes} bytes")
