@@ -19,6 +19,7 @@ from workers.async_engine import AsyncEngine
 from workers.engine import EngineLimits, LLMEngine
 from workers.kv_cache import KVCacheShape
 from workers.model_loader import load_model
+from workers.multimodal import ImageEncodeError, ImageInputs
 from workers.prompts import PromptBuilder, PromptError
 from workers.protocol import GenerateRequest, ImageData
 from workers.request_processor import RequestProcessor
@@ -248,3 +249,28 @@ def test_request_processor_answers_an_image_request(paged_vlm, reference_vlm, pr
     assert [t for c in chunks for t in c.token_ids] == reference(reference_vlm, prompts, image_request(RED), 5)
     assert chunks[-1].prompt_tokens == len(prompts.build(image_request(RED))[0])
     assert refused[0].error.status == 400 and refused[0].error.param == PARAM
+
+
+def test_features_that_miss_placeholders_fail_the_request_only(paged_vlm, prompts):
+    engine = make_engine(paged_vlm.model)
+    prompt, images = prompts.build(image_request(RED))
+    short = ImageInputs(images.pixel_inputs, images.positions[:-1], images.salt)
+    with pytest.raises(ImageEncodeError, match="feature rows"):
+        engine.add_request(prompt, greedy(2), images=short)
+    broken = ImageInputs({"pixel_values": torch.zeros(1, 3, 7, 7)}, images.positions, images.salt)
+    with pytest.raises(ImageEncodeError, match="vision tower failed"):
+        engine.add_request(prompt, greedy(2), images=broken)
+    assert not engine.has_work()
+    request_id = engine.add_request(prompt, greedy(2), images=images)
+    assert len(run(engine)[request_id]) == 2
+
+
+def test_forked_choices_keep_the_images(paged_vlm, prompts):
+    """n > 1 and beam siblings fork from the prompt; a preempted sibling recomputes it."""
+    engine = make_engine(paged_vlm.model)
+    prompt, images = prompts.build(image_request(RED))
+    engine.add_request(prompt, greedy(1), images=images)
+    parent = engine.scheduler.waiting[-1]
+    child = parent.fork(99, 1)
+    assert child.image_features is parent.image_features is not None
+    assert child.cache_salt == parent.cache_salt == images.salt

@@ -16,7 +16,8 @@ import torch
 
 
 class ImageEncodeError(RuntimeError):
-    """The vision tower's output does not fit the prompt's placeholders (a model/processor mismatch)."""
+    """The vision tower failed, or its output does not fit the prompt's placeholders
+    (a model/processor mismatch): the request fails with a 500, the engine goes on."""
 
 
 @dataclass(frozen=True)
@@ -49,8 +50,11 @@ def encode_images(model: torch.nn.Module, inputs: ImageInputs, device: torch.dev
         name: value.to(device=device, dtype=dtype if value.is_floating_point() else value.dtype)
         for name, value in inputs.pixel_inputs.items()
     }
-    with torch.inference_mode():
-        out = model.get_image_features(**pixel_inputs, return_dict=True)
+    try:
+        with torch.inference_mode():
+            out = model.get_image_features(**pixel_inputs, return_dict=True)
+    except Exception as exc:  # noqa: BLE001 - fails this request only, not the engine thread
+        raise ImageEncodeError(f"the vision tower failed: {type(exc).__name__}: {exc}") from exc
     features = getattr(out, "pooler_output", out)  # per-image tensors, or one batched tensor
     if isinstance(features, (list, tuple)):
         rows = torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
