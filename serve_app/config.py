@@ -18,9 +18,9 @@ class MediaOptions(BaseModel):
     """Where images in chat messages may come from (applied by the ingress, serve_app/media.py).
 
     Local paths are read only under `directory`; remote http(s) URLs are fetched only when
-    `allow_remote` is on, and never from a loopback, private, link-local, multicast or
-    unspecified address unless `allowed_hosts` names it (for tests or a private image
-    registry). `data:` URIs are always accepted. Every source is capped at `max_image_bytes`.
+    `allow_remote` is on, and never from an address that is not globally routable
+    (loopback, private, link-local, ...) or is multicast, unless `allowed_hosts` names it
+    (for tests or a private image registry). `data:` URIs are always accepted. Every source is capped at `max_image_bytes`.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)

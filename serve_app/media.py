@@ -191,8 +191,9 @@ class MediaResolver:
             return True
         if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
             address = address.ipv4_mapped
-        return not (address.is_loopback or address.is_private or address.is_link_local or address.is_multicast
-                    or address.is_unspecified or address.is_reserved)
+        # is_global is false for loopback, private, link-local, unspecified, reserved,
+        # shared (CGNAT) and documentation ranges; some multicast ranges count as global.
+        return address.is_global and not address.is_multicast
 
     async def _fetch(self, parts, host: str, address: IPAddress, port: int, param: str) -> bytes:
         netloc = f"[{address}]:{port}" if address.version == 6 else f"{address}:{port}"

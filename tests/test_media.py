@@ -220,7 +220,7 @@ def test_the_loopback_server_is_refused_without_the_allowlist(http_server):
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "[::1]", "0.0.0.0", "169.254.169.254", "10.0.0.7",
                                   "172.16.5.4", "192.168.1.1", "224.0.0.1", "[fe80::1]", "[::ffff:127.0.0.1]",
-                                  "[fc00::1]"])
+                                  "[fc00::1]", "100.64.0.1", "233.252.0.1", "[ff0e::1]"])
 def test_non_public_hosts_are_refused_by_default(host):
     assert "non-public address" in refused(MediaResolver(MediaOptions(allow_remote=True)), f"http://{host}/a.png")
 
