@@ -75,7 +75,15 @@ class MediaResolver:
         if len(parts) > self.options.max_images_per_request:
             raise image_error(parts[self.options.max_images_per_request][0],
                               f"at most {self.options.max_images_per_request} images are allowed in one request")
-        images = [ImageData(await self.load(_url_of(part), param), param) for param, part in parts]
+        # Concurrently: a request's fetches share one wait, not one per image. The first
+        # refusal cancels the rest.
+        tasks = [asyncio.ensure_future(self.load(_url_of(part), param)) for param, part in parts]
+        try:
+            blobs = await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+        images = [ImageData(data, param) for data, (param, _) in zip(blobs, parts)]
         index = iter(range(len(parts)))
         out = []
         for message in messages:

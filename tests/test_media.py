@@ -283,6 +283,17 @@ def test_resolve_replaces_parts_in_order_and_keeps_the_rest(media):
     assert [i.param for i in images] == ["messages.1.content.0.image_url", "messages.1.content.2.image_url"]
 
 
+def test_images_are_fetched_concurrently(http_server):
+    """Two slow images under a 1 s cap each: the refusal comes after 1 s, not 2 s."""
+    resolver = allowlisted(fetch_timeout_s=1.0)
+    parts = [{"type": "image_url", "image_url": {"url": http_server + "/slow"}}] * 2
+    started = time.monotonic()
+    with pytest.raises(APIError) as err:
+        asyncio.run(resolver.resolve([{"role": "user", "content": parts}]))
+    assert "longer than 1.0 s" in err.value.message
+    assert time.monotonic() - started < 1.8
+
+
 def test_too_many_images_are_refused():
     resolver = MediaResolver(MediaOptions(max_images_per_request=2))
     parts = [{"type": "image_url", "image_url": {"url": data_uri(PNG)}}] * 3
