@@ -307,3 +307,13 @@ def test_media_options_are_strict():
         MediaOptions(directroy="/srv/media")
     with pytest.raises(pydantic.ValidationError):
         MediaOptions(allowed_hosts=("10.0.0.0/33",))
+
+
+def test_a_misspelt_media_key_fails_the_config_with_its_path():
+    from serve_app.config import ConfigError, parse_app_config
+
+    with pytest.raises(ConfigError, match=r"server\.media\.directroy"):
+        parse_app_config({"models": [{"id": "m"}], "server": {"media": {"directroy": "/srv/media"}}})
+    config = parse_app_config({"models": [{"id": "m", "max_image_pixels": 1000}],
+                               "server": {"media": {"directory": "/srv/media", "allowed_hosts": ["10.0.0.0/8"]}}})
+    assert config.server.media.directory == "/srv/media" and config.models[0].max_image_pixels == 1000
