@@ -26,12 +26,12 @@ from serve_app.protocol import ChatCompletion, ChatCompletionChunk, ChatCompleti
 
 
 class HandleAPI:
-    """Mixed into the ingress deployment; uses its `_worker(model)` and `config`."""
+    """Mixed into the ingress deployment; uses its `_worker(model)`, `_with_images` and `config`."""
 
     async def chat(self, request: ChatCompletionRequest | dict[str, Any]) -> ChatCompletion:
         req = _validated(request)
         request_id = new_request_id()
-        stream = self._call_worker(req, request_id)
+        stream = await self._call_worker(req, request_id)
         output = CompletionAccumulator(request_id, req.model, req.n)
         try:
             async for chunk in stream:
@@ -43,7 +43,7 @@ class HandleAPI:
     async def chat_stream(self, request: ChatCompletionRequest | dict[str, Any]) -> AsyncIterator[ChatCompletionChunk]:
         req = _validated(request)
         request_id = new_request_id()
-        stream = self._call_worker(req, request_id)
+        stream = await self._call_worker(req, request_id)
         streamer = ChunkStreamer(request_id, req, self.config.server.full_text_enabled)
         try:
             first = await anext(stream)
@@ -52,9 +52,10 @@ class HandleAPI:
         finally:
             stream.cancel()
 
-    def _call_worker(self, req: ChatCompletionRequest, request_id: str):
+    async def _call_worker(self, req: ChatCompletionRequest, request_id: str):
         handle = self._worker(req.model)
-        return handle.options(stream=True).generate.remote(to_generate_request(req, request_id))
+        gen_request = await self._with_images(req.model, to_generate_request(req, request_id))
+        return handle.options(stream=True).generate.remote(gen_request)
 
 
 def _validated(request: ChatCompletionRequest | dict[str, Any]) -> ChatCompletionRequest:

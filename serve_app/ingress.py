@@ -15,6 +15,7 @@ streamer (`events(first, rest)` -> SSE text) and an accumulator (`add(chunk)`,
 
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -48,6 +49,7 @@ from serve_app.metrics import (
     route_request_log_to_serve,
 )
 from serve_app.handle_api import HandleAPI
+from serve_app.media import MediaResolver, first_image_param, image_error
 from serve_app.protocol import ChatCompletionRequest, ModelCard, ModelList
 from workers.protocol import ErrorInfo, GenerateRequest, GenerationChunk, ModelInfo
 
@@ -169,6 +171,7 @@ class ChatIngress(HandleAPI):
     def __init__(self, app_config: dict, workers: dict[str, DeploymentHandle]) -> None:
         self.config = AppConfig.model_validate(app_config)
         self.auth = APIKeyAuth.from_options(self.config.server)  # reads the key env var / file here
+        self.media = MediaResolver(self.config.server.media)
         self.workers = workers
         self._infos: dict[str, ModelInfo] = {}
         self.created = int(time.time())
@@ -205,6 +208,7 @@ class ChatIngress(HandleAPI):
         request_id = new_request_id()
         gen_request = to_generate_request(req, request_id)
         await self._check_token_ids(req.model, gen_request.params.logit_bias, "logit_bias")
+        gen_request = await self._with_images(req.model, gen_request)
         if req.stream:
             output = ChunkStreamer(request_id, req, self.config.server.full_text_enabled)
         else:
@@ -280,6 +284,17 @@ class ChatIngress(HandleAPI):
         if bad:
             raise APIError(400, f"{param}: token ids {bad[:5]} are outside the vocabulary (size {vocab_size})",
                            param=param)
+
+    async def _with_images(self, model: str, gen_request: GenerateRequest) -> GenerateRequest:
+        """Image parts become bytes (serve_app/media.py), once the model is known to take
+        images: a text-only model is refused before anything is fetched."""
+        param = first_image_param(gen_request.messages or [])
+        if param is None:
+            return gen_request
+        if not (await self._info(model)).accepts_images:
+            raise image_error(param, f"the model `{model}` is text-only and does not accept images")
+        messages, images = await self.media.resolve(gen_request.messages)
+        return dataclasses.replace(gen_request, messages=messages, images=images)
 
     async def _first_chunk(self, stream, param_names: Mapping[str, str] | None = None) -> GenerationChunk:
         try:

@@ -185,10 +185,12 @@ def test_seed_004_lm_v2_stream(seed_app):
     assert all(c["usage"] is None for c in chunks)  # no include_usage: usage stays null
 
 
-@pytest.mark.parametrize(("sample", "param"), [(SEED_001_TOOLS_1, "tools"), (SEED_001_MULTIMODAL, "messages.0.content")])
+@pytest.mark.parametrize(("sample", "param"), [(SEED_001_TOOLS_1, "tools"),
+                                              (SEED_001_MULTIMODAL, "messages.0.content.1.image_url")])
 def test_seed_samples_of_the_tools_and_images_issue_are_refused_clearly(seed_app, sample, param):
-    """Tool calling and images are a later issue: until then these samples get a 400 naming
-    the unsupported part (never a silently tool-less or image-less answer)."""
+    """Tool calling is a later issue, and the seed app serves a text-only model: these samples
+    get a 400 naming the unsupported part (never a silently tool-less or image-less answer).
+    A vision model answers the multimodal sample: tests/test_vision_serve.py."""
     resp = post(seed_app, "/v1/chat/completions", sample)
     assert resp.status_code == 400
     assert resp.json()["error"]["param"] == param

@@ -70,6 +70,9 @@ class ModelConfig(_Strict):
     engine: EngineConfig = EngineConfig()
     deployment: DeploymentConfig = DeploymentConfig()
     cache_dir: str | None = Field(None, description="where converted models are kept")
+    max_image_pixels: int = Field(
+        4096 * 4096, ge=1, description="vision models: a larger image (width x height, read from its header) is a 400"
+    )
 
     @model_validator(mode="after")
     def _gpu_needs_gpu(self) -> "ModelConfig":

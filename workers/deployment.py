@@ -15,9 +15,10 @@ from workers.async_engine import AsyncEngine
 from workers.attention import register_paged_attention
 from workers.config import ModelConfig
 from workers.engine import EngineLimits, LLMEngine
-from workers.model_loader import load_model
+from workers.model_loader import LoadedModel, load_model
 from workers.protocol import GenerateRequest, GenerationChunk, ModelInfo, WorkerStats
 from workers.request_processor import RequestProcessor, Timeouts
+from workers.vision_prompts import VisionPromptBuilder
 
 logger = logging.getLogger(__name__)
 
@@ -29,13 +30,13 @@ def _set_torch_threads(config: ModelConfig) -> None:
         torch.set_num_threads(threads)
 
 
-def build_engine(config: ModelConfig) -> tuple[AsyncEngine, object]:
+def build_engine(config: ModelConfig) -> tuple[AsyncEngine, LoadedModel]:
     """Load the model and build its engine (not yet started). Shared by Serve and tests."""
     _set_torch_threads(config)
     attn = register_paged_attention()
     cache_dir = Path(config.cache_dir) if config.cache_dir else None
     loaded = load_model(config.source, config.device, config.dtype, cache_dir, attn_implementation=attn)
-    model_window = getattr(loaded.model.config, "max_position_embeddings", None) or 2048
+    model_window = getattr(loaded.model.config.get_text_config(), "max_position_embeddings", None) or 2048
     eng = config.engine
     limits = EngineLimits(
         block_size=eng.block_size,
@@ -46,7 +47,13 @@ def build_engine(config: ModelConfig) -> tuple[AsyncEngine, object]:
     )
     eos = _eos_token_ids(loaded)
     engine = LLMEngine(loaded.model, eos, limits, torch.device(config.device))
-    return AsyncEngine(engine), loaded.tokenizer
+    return AsyncEngine(engine), loaded
+
+
+def _vision_prompts(loaded: LoadedModel, config: ModelConfig) -> VisionPromptBuilder | None:
+    if loaded.processor is None:
+        return None
+    return VisionPromptBuilder(loaded.processor, loaded.image_token_id, config.max_image_pixels)
 
 
 def _eos_token_ids(loaded) -> frozenset[int]:
@@ -64,11 +71,12 @@ def _eos_token_ids(loaded) -> frozenset[int]:
 class ModelWorker:
     def __init__(self, model_config: dict) -> None:
         self.config = ModelConfig.model_validate(model_config)
-        self.engine, tokenizer = build_engine(self.config)
+        self.engine, loaded = build_engine(self.config)
         self.engine.start(asyncio.get_running_loop())
         engine_config = self.config.engine
         timeouts = Timeouts(engine_config.first_token_timeout_s, engine_config.request_timeout_s)
-        self.processor = RequestProcessor(self.engine, tokenizer, timeouts)
+        vision = _vision_prompts(loaded, self.config)
+        self.processor = RequestProcessor(self.engine, loaded.tokenizer, timeouts, vision)
         logger.info("model %s ready: %s", self.config.id, self.info())
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:
@@ -83,6 +91,7 @@ class ModelWorker:
             vocab_size=core.vocab_size,
             kv_cache_blocks=core.blocks.num_blocks,
             block_size=core.blocks.block_size,
+            accepts_images=self.processor.vision is not None,
         )
 
     def stats(self) -> WorkerStats:

@@ -17,6 +17,7 @@ from workers.beam_search import BeamGroup
 from workers.block_manager import BlockManager
 from workers.kv_cache import KVCacheShape, PagedKVCache
 from workers.model_runner import ModelRunner, PromptLogitRows
+from workers.multimodal import ImageInputs
 from workers.sampler import Sampler, SamplingTensors, token_logprobs
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig
@@ -110,8 +111,10 @@ class LLMEngine:
                 f"The request needs {kv_needed} tokens of KV cache; this worker's cache holds {capacity}."
             )
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Queue a request; returns its id. Choices 1..n-1 fork from choice 0 after the prompt."""
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, *,
+                    images: ImageInputs | None = None) -> int:
+        """Queue a request; returns its id. Choices 1..n-1 fork from choice 0 after the prompt.
+        A request's images are encoded here, once (raises ImageEncodeError)."""
         self.check_request(prompt_token_ids, params)
         seq = Sequence(
             seq_id=next(self._ids),
@@ -119,6 +122,8 @@ class LLMEngine:
             params=params,
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.limits.max_model_len,
+            cache_salt=images.salt if images is not None else b"",
+            image_features=self.runner.encode_images(images) if images is not None else None,
         )
         self._requests[seq.request_id] = [seq]
         if params.use_beam_search:

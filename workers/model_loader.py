@@ -1,5 +1,9 @@
 """Load a model and tokenizer from a directory, a GGUF file, or the built-in default.
 
+A directory whose config has a `vision_config` is a vision-language model: it loads
+through `AutoModelForImageTextToText` with its `AutoProcessor`; the paged attention is
+set on its language model only (the vision tower runs whole images, not paged steps).
+
 GGUF weights are dequantized by transformers on load (about 20 s for the default
 model on 2 cores), so the converted model is saved once as safetensors under the
 cache directory and later starts load that copy (under a second). A file lock keeps
@@ -16,7 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoProcessor,
+    AutoTokenizer,
+)
 
 from workers.config import BUILTIN_DEFAULT_MODEL
 
@@ -31,6 +41,18 @@ class LoadedModel:
     model: torch.nn.Module
     tokenizer: object
     path: Path  # the directory actually loaded
+    processor: object | None = None  # vision-language models: their AutoProcessor
+
+    @property
+    def image_token_id(self) -> int | None:
+        """The placeholder token the processor expands for each image (vision models)."""
+        if self.processor is None:
+            return None
+        token_id = getattr(self.processor, "image_token_id", None)
+        if token_id is None:
+            config = self.model.config
+            token_id = getattr(config, "image_token_id", None) or getattr(config, "image_token_index", None)
+        return token_id
 
 
 def default_cache_dir() -> Path:
@@ -93,7 +115,19 @@ def load_model(
     source: str, device: str = "cpu", dtype: str = "auto", cache_dir: Path | None = None, attn_implementation: str | None = None
 ) -> LoadedModel:
     path = prepare_model_dir(source, cache_dir)
+    config = AutoConfig.from_pretrained(path)
+    if getattr(config, "vision_config", None) is not None:
+        return _load_vision_language(path, device, _dtype_kwargs(dtype, device), config, attn_implementation)
     tokenizer = AutoTokenizer.from_pretrained(path)
+    kwargs = _dtype_kwargs(dtype, device)
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    model.to(device).eval()
+    return LoadedModel(model=model, tokenizer=tokenizer, path=path)
+
+
+def _dtype_kwargs(dtype: str, device: str) -> dict:
     kwargs = {}
     if dtype != "auto":
         kwargs["dtype"] = _DTYPES[dtype]
@@ -101,8 +135,18 @@ def load_model(
         kwargs["dtype"] = torch.float32  # CPU kernels are fastest and exact in float32
     else:
         kwargs["dtype"] = "auto"
+    return kwargs
+
+
+def _load_vision_language(path: Path, device: str, kwargs: dict, config, attn_implementation: str | None) -> LoadedModel:
     if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        # Per sub-config: the paged attention for the language model, SDPA for the rest.
+        text_config = config.get_text_config()
+        kwargs["attn_implementation"] = {
+            key: attn_implementation if getattr(config, key, None) is text_config else "sdpa"
+            for key in config.sub_configs
+        }
+    model = AutoModelForImageTextToText.from_pretrained(path, **kwargs)
     model.to(device).eval()
-    return LoadedModel(model=model, tokenizer=tokenizer, path=path)
+    processor = AutoProcessor.from_pretrained(path)
+    return LoadedModel(model=model, tokenizer=processor.tokenizer, path=path, processor=processor)

@@ -3,6 +3,10 @@
 All scheduled tokens of all sequences go into a single `[1, T]` row (decodes first,
 then prefill chunks) with their true position ids; `logits_to_keep` limits the LM head
 to the one position per sequence that samples this step.
+
+A step that feeds image placeholder positions (vision-language models) is fed as
+`inputs_embeds`: the text embeddings of all its tokens, with those positions overwritten
+by the sequences' precomputed image features. Every other step feeds `input_ids`.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import torch
 
 from workers.attention import AttentionMetadata, PrefillSpan
 from workers.kv_cache import PagedKVCache
+from workers.multimodal import ImageFeatures, ImageInputs, encode_images
 from workers.sequence import Sequence
 
 
@@ -49,6 +54,8 @@ class ModelInputs:
     logits_indices: torch.Tensor  # [S + prompt rows]
     attn_metadata: AttentionMetadata
     prompt_rows: list[PromptLogitRows]
+    image_indices: torch.Tensor | None = None  # [I] packed positions fed by image features
+    image_embeds: torch.Tensor | None = None  # [I, hidden]
 
 
 class ModelRunner:
@@ -65,8 +72,12 @@ class ModelRunner:
         """Run one step. Returns float32 logits: first one row per sampling chunk (decodes
         first), then the prompt-logprob rows described by the returned list."""
         inputs = self.prepare(decodes, prefills)
+        if inputs.image_embeds is None:
+            feed = {"input_ids": inputs.input_ids}
+        else:
+            feed = {"inputs_embeds": self._embeds_with_images(inputs)}
         out = self.model(
-            input_ids=inputs.input_ids,
+            **feed,
             position_ids=inputs.position_ids,
             attn_metadata=inputs.attn_metadata,
             logits_to_keep=inputs.logits_indices,
@@ -74,14 +85,27 @@ class ModelRunner:
         )
         return out.logits[0].float(), inputs.prompt_rows
 
+    def encode_images(self, images: ImageInputs) -> ImageFeatures:
+        return encode_images(self.model, images, self.device)
+
+    def _embeds_with_images(self, inputs: ModelInputs) -> torch.Tensor:
+        index = inputs.image_indices
+        ids = inputs.input_ids.clone()
+        ids[0, index] = 0  # a placeholder id may lie outside the text embedding table
+        embeds = self.model.get_input_embeddings()(ids)
+        embeds[0, index] = inputs.image_embeds.to(embeds.dtype)
+        return embeds
+
     def prepare(self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]) -> ModelInputs:
         bs = self.block_size
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        for chunk in decodes:
+        images = _ImageRows()
+        for row, chunk in enumerate(decodes):
             seq = chunk.seq
             pos = seq.num_computed_tokens
+            images.add(seq, pos, 1, row)
             token_ids.append(seq.token_ids[pos])
             positions.append(pos)
             slots.append(seq.block_table[pos // bs] * bs + pos % bs)
@@ -95,6 +119,7 @@ class ModelRunner:
         for chunk in prefills:
             seq, n = chunk.seq, chunk.num_tokens
             start = seq.num_computed_tokens
+            images.add(seq, start, n, offset)
             token_ids.extend(seq.token_ids[start : start + n])
             all_pos = torch.arange(start + n)
             all_slots = self._slots(seq.block_table, all_pos)
@@ -124,6 +149,7 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_indices + prompt_indices, dtype=torch.long, device=device),
             attn_metadata=metadata,
             prompt_rows=prompt_rows,
+            **images.tensors(device),
         )
 
     def _slots(self, block_table: list[int], positions: torch.Tensor) -> torch.Tensor:
@@ -151,6 +177,27 @@ class ModelRunner:
         kmax = int(ctx_lens.max())
         mask = torch.arange(kmax).unsqueeze(0) < ctx_lens.unsqueeze(1)
         return slots[:, :kmax].to(self.device), mask.view(len(tables), 1, 1, kmax).to(self.device)
+
+
+class _ImageRows:
+    """Packed positions of this step that image features feed, and those features."""
+
+    def __init__(self) -> None:
+        self.indices: list[torch.Tensor] = []
+        self.embeds: list[torch.Tensor] = []
+
+    def add(self, seq: Sequence, start: int, n: int, offset: int) -> None:
+        if seq.image_features is None:
+            return
+        positions, embeds = seq.image_features.rows(start, start + n)
+        if positions.numel():
+            self.indices.append(positions - start + offset)
+            self.embeds.append(embeds)
+
+    def tensors(self, device: torch.device) -> dict[str, torch.Tensor]:
+        if not self.indices:
+            return {}
+        return {"image_indices": torch.cat(self.indices).to(device), "image_embeds": torch.cat(self.embeds)}
 
 
 def _prompt_logprob_rows(seq: Sequence, start: int, n: int) -> PromptLogitRows | None:

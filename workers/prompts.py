@@ -45,7 +45,10 @@ class PromptBuilder:
         content = message.get("content")
         if isinstance(content, list):
             texts = []
-            for part in content:
+            for j, part in enumerate(content):
+                if part.get("type") in ("image", "image_url"):
+                    param = f"messages.{index}.content.{j}.image_url"
+                    raise PromptError(f"{param}: this model is text-only and does not accept images", param)
                 if part.get("type") != "text":
                     raise PromptError(
                         f"content part type {part.get('type')!r} is not supported by this text-only model",

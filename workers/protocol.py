@@ -12,8 +12,21 @@ from workers.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
+class ImageData:
+    """One image of a chat request: its encoded file (PNG, JPEG, ...), already fetched and
+    size-capped by the ingress (serve_app/media.py); the worker decodes and checks it."""
+
+    data: bytes
+    param: str  # where the request put it, e.g. "messages.0.content.1.image_url" (named in errors)
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
-    """Exactly one of `messages` (chat) or `prompt` (plain completion)."""
+    """Exactly one of `messages` (chat) or `prompt` (plain completion).
+
+    An image sits in its message as `{"type": "image", "image_index": k}`; its bytes are
+    `images[k]`.
+    """
 
     request_id: str
     params: SamplingParams
@@ -21,6 +34,7 @@ class GenerateRequest:
     prompt: str | None = None
     max_tokens: int | None = None  # None: the rest of the context window
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    images: tuple[ImageData, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -79,6 +93,7 @@ class ModelInfo:
     vocab_size: int
     kv_cache_blocks: int
     block_size: int
+    accepts_images: bool = False  # a vision-language model
 
 
 @dataclass(frozen=True)

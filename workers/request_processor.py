@@ -8,6 +8,7 @@ once and its KV blocks are freed.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -17,11 +18,13 @@ from dataclasses import dataclass
 from workers.async_engine import AsyncEngine, EngineDeadError
 from workers.detokenizer import IncrementalDetokenizer
 from workers.engine import CapacityError, TokenEvent
+from workers.multimodal import ImageEncodeError, ImageInputs
 from workers.prompts import PromptBuilder, PromptError
 from workers.protocol import ErrorInfo, GenerateRequest, GenerationChunk, TokenLogprob, TopLogprob
 from workers.sampling_params import SamplingParams
 from workers.sequence import FinishReason
 from workers.stop_strings import StopStringMatcher
+from workers.vision_prompts import VisionPromptBuilder
 
 logger = logging.getLogger(__name__)
 
@@ -41,19 +44,21 @@ class Timeouts:
 
 
 class RequestProcessor:
-    def __init__(self, engine: AsyncEngine, tokenizer, timeouts: Timeouts = Timeouts()) -> None:
+    def __init__(self, engine: AsyncEngine, tokenizer, timeouts: Timeouts = Timeouts(),
+                 vision: VisionPromptBuilder | None = None) -> None:
         self.engine = engine
         self.timeouts = timeouts
         self.tokenizer = tokenizer
         self.prompts = PromptBuilder(tokenizer)
+        self.vision = vision  # vision-language models only
         self.max_model_len = engine.engine.limits.max_model_len
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:
         arrival = time.perf_counter()
         try:
-            prompt_ids = self.prompts.token_ids(request)
+            prompt_ids, images = await self._prompt(request)
             params = self._resolve_params(request, len(prompt_ids))
-            stream = self.engine.add_request(prompt_ids, params)
+            stream = self.engine.add_request(prompt_ids, params, images=images)
         except PromptError as exc:
             yield GenerationChunk(error=ErrorInfo(400, str(exc), param=exc.param))
             return
@@ -80,9 +85,20 @@ class RequestProcessor:
                     return
         except EngineDeadError as exc:
             yield GenerationChunk(error=ErrorInfo(500, str(exc), type="server_error", code="engine_dead"))
+        except ImageEncodeError as exc:
+            yield GenerationChunk(error=ErrorInfo(500, str(exc), type="internal_error", code="engine_error"))
         finally:
             # Stop string matched, client went away, or an error: free the sequences now.
             self.engine.abort(stream)
+
+    async def _prompt(self, request: GenerateRequest) -> tuple[list[int], ImageInputs | None]:
+        if self.vision is None:
+            return self.prompts.token_ids(request), None
+        if not request.images:
+            return self.vision.build(request)
+        # Decoding and preparing pixels takes milliseconds per image: off the event loop,
+        # which meanwhile streams other requests' tokens.
+        return await asyncio.to_thread(self.vision.build, request)
 
     def _timeout_error(self, got_first_token: bool) -> GenerationChunk:
         if got_first_token:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from workers.multimodal import ImageFeatures
 from workers.sampling_params import SamplingParams
 
 
@@ -51,6 +52,10 @@ class Sequence:
     queue_time: float | None = None  # seconds from arrival to its first scheduled step
     # (token_id, logprob, top [(id, logprob)]) per prompt position after the first.
     prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+    # Prefix cache: mixed into the first block's hash, so equal token ids with different
+    # hidden content (e.g. image placeholders of different images) never share blocks.
+    cache_salt: bytes = b""
+    image_features: ImageFeatures | None = None  # vision models: by prompt position, fed by the model runner
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
@@ -71,6 +76,8 @@ class Sequence:
             max_model_len=self.max_model_len,
             request_id=self.request_id,
             index=index,
+            cache_salt=self.cache_salt,
+            image_features=self.image_features,
         )
         child.num_prompt_tokens = self.num_prompt_tokens
         child.num_computed_tokens = self.num_computed_tokens

@@ -1,0 +1,67 @@
+"""A request's images inside the engine: the processor's pixel inputs, then the
+vision features they become, pinned to the prompt positions of their placeholders.
+
+The features are computed once, when the engine takes the request (vision tower and
+projector, through the model's own `get_image_features`), and kept on the sequence.
+A step that feeds any placeholder position overwrites that position's text embedding
+with its feature row (model_runner.py), so chunked prefill, preemption-by-recompute
+and batching with text requests need nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class ImageEncodeError(RuntimeError):
+    """The vision tower failed, or its output does not fit the prompt's placeholders
+    (a model/processor mismatch): the request fails with a 500, the engine goes on."""
+
+
+@dataclass(frozen=True)
+class ImageInputs:
+    """Prepared on the worker's event loop (vision_prompts.py) for one request."""
+
+    pixel_inputs: dict[str, torch.Tensor]  # the processor's image outputs: pixel_values, image_sizes, ...
+    positions: torch.Tensor  # [K] prompt positions of the image placeholder tokens, ascending
+    salt: bytes  # a hash of the images: Sequence.cache_salt
+
+
+@dataclass(frozen=True)
+class ImageFeatures:
+    """One embedding row per placeholder position of a sequence's prompt."""
+
+    positions: torch.Tensor  # [K] long, ascending, on the CPU
+    embeds: torch.Tensor  # [K, hidden], on the model's device, in its dtype
+
+    def rows(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions, embeddings) of the placeholders in positions [start, end)."""
+        lo = int(torch.searchsorted(self.positions, start))
+        hi = int(torch.searchsorted(self.positions, end))
+        return self.positions[lo:hi], self.embeds[lo:hi]
+
+
+def encode_images(model: torch.nn.Module, inputs: ImageInputs, device: torch.device) -> ImageFeatures:
+    """Run the vision tower and projector once for all the request's images."""
+    dtype = model.dtype
+    pixel_inputs = {
+        name: value.to(device=device, dtype=dtype if value.is_floating_point() else value.dtype)
+        for name, value in inputs.pixel_inputs.items()
+    }
+    try:
+        with torch.inference_mode():
+            out = model.get_image_features(**pixel_inputs, return_dict=True)
+    except Exception as exc:  # noqa: BLE001 - fails this request only, not the engine thread
+        raise ImageEncodeError(f"the vision tower failed: {type(exc).__name__}: {exc}") from exc
+    features = getattr(out, "pooler_output", out)  # per-image tensors, or one batched tensor
+    if isinstance(features, (list, tuple)):
+        rows = torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
+    else:
+        rows = features.reshape(-1, features.shape[-1])
+    if rows.shape[0] != inputs.positions.numel():
+        raise ImageEncodeError(
+            f"the vision tower gave {rows.shape[0]} feature rows for {inputs.positions.numel()} image placeholder tokens"
+        )
+    return ImageFeatures(inputs.positions.to("cpu", torch.long), rows.to(dtype))
