@@ -6,7 +6,7 @@
 No Ray, no HTTP: the ceiling the serving path is compared against. With --guided the
 engine runs the same batch a second time with each request constrained by
 BENCH_SCHEMA (an array of at least 1000 objects, so no row can finish early), and
-reports the time spent building the grammar mask.
+reports the time spent building the grammar mask and applying it to the logits.
 """
 
 from __future__ import annotations
@@ -69,17 +69,22 @@ def engine_decode_ms(model, prompt_ids: list[int], batch: int, steps: int, token
 
 
 def _time_masks(engine: LLMEngine) -> list[float]:
+    """Accumulate the seconds spent building the grammar mask and applying it to the logits."""
     total = [0.0]
-    if engine.guided is not None:
-        mask = engine.guided.mask
 
-        def timed(*args):
+    def timed(fn):
+        def run(*args):
             start = time.perf_counter()
-            out = mask(*args)
+            out = fn(*args)
             total[0] += time.perf_counter() - start
+            if out is not None and hasattr(out, "apply"):
+                out.apply = timed(out.apply)
             return out
 
-        engine.guided.mask = timed
+        return run
+
+    if engine.guided is not None:
+        engine.guided.mask = timed(engine.guided.mask)
     return total
 
 
