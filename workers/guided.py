@@ -142,7 +142,7 @@ class GuidedDecoder:
     """Per engine: the llguidance tokenizer, grammar compilation and the batched mask."""
 
     def __init__(self, hf_tokenizer, model_vocab_size: int, eos_token_ids: frozenset[int]) -> None:
-        eos = sorted(eos_token_ids) or [hf_tokenizer.eos_token_id]
+        eos = sorted(eos_token_ids) or None  # None: the tokenizer's own EOS
         # The model's logits may be wider than the tokenizer (padded embeddings): ids past
         # the tokenizer have no bytes, so llguidance never allows them.
         n_vocab = max(model_vocab_size, len(hf_tokenizer))
