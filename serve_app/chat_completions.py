@@ -23,6 +23,7 @@ from serve_app.protocol import (
     Usage,
     or_default,
 )
+from serve_app.structured_output import guided_decoding
 from workers.protocol import GenerateRequest, GenerationChunk, TokenLogprob, TopLogprob
 from workers.sampling_params import SamplingParams
 
@@ -81,6 +82,7 @@ def openai_sampling_kwargs(req) -> dict:
         stop_token_ids=tuple(req.stop_token_ids or ()),
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens,
+        guided=guided_decoding(req.response_format),
     )
 
 

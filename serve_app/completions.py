@@ -17,6 +17,8 @@ template. Sampling fields mean what they mean on /v1/chat/completions.
 - `logprobs: k` (0..20): OpenAI's legacy shape per choice: `tokens`, `token_logprobs`,
   `top_logprobs` (the k most likely, token -> logprob), `text_offset`. With `echo`
   (prompt logprobs in this shape) it is a 400 naming `logprobs`.
+- `response_format` constrains the text as on /v1/chat/completions (json_object,
+  json_schema; serve_app/structured_output.py).
 - `suffix` (insertion) gets a 400 naming the field: not supported.
 - Penalties (`presence_penalty`, `frequency_penalty`, `repetition_penalty`), `min_p`,
   `min_tokens` and `logit_bias` are passed to the worker's SamplingParams.
@@ -43,6 +45,7 @@ from serve_app.errors import APIError, unsupported
 from serve_app.protocol import (
     MAX_LOGPROBS,
     RequestModel,
+    ResponseFormat,
     ResponseModel,
     StopStrings,
     StreamOptions,
@@ -88,6 +91,7 @@ class CompletionRequest(RequestModel):
     stream_options: StreamOptions | None = None
     echo: bool = False
     user: str | None = None
+    response_format: ResponseFormat = None  # as on /v1/chat/completions (vLLM takes it here too)
 
     n: int = Field(1, ge=1, le=64)
     best_of: int | None = Field(None, ge=1, le=64)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WrapValidator, model_validator
 
 
 class RequestModel(BaseModel):
@@ -55,12 +56,55 @@ class StreamOptions(RequestModel):
     continuous_usage_stats: bool = False
 
 
+class TextFormat(RequestModel):
+    type: Literal["text"]
+
+
+class JSONObjectFormat(RequestModel):
+    type: Literal["json_object"]
+
+
+class JSONSchemaSpec(RequestModel):
+    # `schema` would shadow a BaseModel attribute: the field is `schema_`, read from
+    # either name (so a dumped request validates again).
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = Field(min_length=1)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # the schema is always enforced, strict or not
+
+
+class JSONSchemaFormat(RequestModel):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaSpec
+
+
+def _as_one_param(value: Any, handler) -> Any:
+    """Report any problem inside response_format as one error naming `response_format`."""
+    try:
+        return handler(value)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = [str(p) for p in err["loc"]]
+        if loc and isinstance(value, dict) and loc[0] == value.get("type"):
+            loc = loc[1:]  # the union member's tag
+        where = ".".join(loc)
+        detail = f"{where}: {err['msg']}" if where else err["msg"]
+        raise PydanticCustomError("response_format", "{detail}", {"detail": detail}) from None
+
+
+# OpenAI's structured output; what each means is in serve_app/structured_output.py.
+ResponseFormat = Annotated[
+    Annotated[TextFormat | JSONObjectFormat | JSONSchemaFormat, Field(discriminator="type")] | None,
+    WrapValidator(_as_one_param),
+]
+
+
 # Fields that change what the model outputs and are not implemented yet: a request
 # that sets one to a non-neutral value gets a 400 instead of a silently different answer.
 UNSUPPORTED_UNLESS_NEUTRAL: dict[str, Any] = {
     "tools": None,
     "tool_choice": None,
-    "response_format": None,
 }
 
 MAX_STOP_STRINGS = 256
@@ -117,10 +161,11 @@ class ChatCompletionRequest(RequestModel):
     best_of: int | None = Field(None, ge=1, le=64)  # beam width
     length_penalty: float | None = Field(None, ge=-10.0, le=10.0, allow_inf_nan=False)
 
+    response_format: ResponseFormat = None
+
     # Known but not honoured yet (see UNSUPPORTED_UNLESS_NEUTRAL).
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> "ChatCompletionRequest":
@@ -149,6 +194,7 @@ class ChatCompletionRequest(RequestModel):
             if not -100.0 <= bias <= 100.0:
                 return "logit_bias", f"logit_bias values must be in [-100, 100], got {bias} for token {key}"
         return None
+
 
     def unsupported_field(self) -> str | None:
         """The first known-but-unimplemented field set to a non-neutral value, if any."""
@@ -182,6 +228,9 @@ def beam_search_error(req) -> tuple[str, str] | None:
         return "top_k", "beam search needs top_k -1"
     if req.logprobs is not None and req.logprobs is not False:  # completions' logprobs=0 asks too
         return "logprobs", "logprobs are not available with beam search"
+    response_format = getattr(req, "response_format", None)
+    if response_format is not None and response_format.type != "text":
+        return "response_format", "structured output (response_format) is not available with beam search"
     return None
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from workers.guided import GuideState
 from workers.multimodal import ImageFeatures
 from workers.sampling_params import SamplingParams
 
@@ -56,6 +57,7 @@ class Sequence:
     # hidden content (e.g. image placeholders of different images) never share blocks.
     cache_salt: bytes = b""
     image_features: ImageFeatures | None = None  # vision models: by prompt position, fed by the model runner
+    guide: GuideState | None = None  # the grammar state when params.guided is set
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
@@ -82,6 +84,7 @@ class Sequence:
         child.num_prompt_tokens = self.num_prompt_tokens
         child.num_computed_tokens = self.num_computed_tokens
         child.status = self.status
+        child.guide = self.guide.fork() if self.guide is not None else None
         return child
 
     @property
@@ -113,6 +116,8 @@ class Sequence:
     def append_token(self, token_id: int) -> FinishReason | None:
         """Add a sampled token and return why the sequence ends now, if it does."""
         self.token_ids.append(token_id)
+        if self.guide is not None and self.guide.advance(token_id):
+            return FinishReason.STOP  # EOS where the grammar is complete (also with ignore_eos)
         params = self.params
         if not params.ignore_eos and token_id in self.eos_token_ids:
             return FinishReason.STOP
