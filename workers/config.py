@@ -70,6 +70,10 @@ class ModelConfig(_Strict):
     engine: EngineConfig = EngineConfig()
     deployment: DeploymentConfig = DeploymentConfig()
     cache_dir: str | None = Field(None, description="where converted models are kept")
+    tool_call_parser: Literal["hermes", "llama3_json"] = Field(
+        "hermes", description="the format the model writes tool calls in (serve_app/tool_parsers.py)")
+    reasoning_parser: Literal["deepseek_r1"] | None = Field(
+        None, description="split <think>...</think> into reasoning_content on /v1 (serve_app/reasoning.py)")
 
     @model_validator(mode="after")
     def _gpu_needs_gpu(self) -> "ModelConfig":

@@ -51,7 +51,8 @@ class RequestProcessor:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:
         arrival = time.perf_counter()
         try:
-            prompt_ids = self.prompts.token_ids(request)
+            prompt = self.prompts.build(request)
+            prompt_ids = prompt.token_ids
             params = self._resolve_params(request, len(prompt_ids))
             stream = self.engine.add_request(prompt_ids, params)
         except PromptError as exc:
@@ -65,7 +66,8 @@ class RequestProcessor:
             yield GenerationChunk(error=ErrorInfo(503, str(exc), type="server_error", code="engine_dead"))
             return
 
-        states = [_OutputState(self.tokenizer, prompt_ids, params, arrival) for _ in range(params.n)]
+        reasoning_open = _opens_reasoning(prompt.text, request.reasoning_start)
+        states = [_OutputState(self.tokenizer, prompt_ids, params, arrival, reasoning_open) for _ in range(params.n)]
         usage = _Usage(len(prompt_ids))
         try:
             while not stream.finished:
@@ -131,6 +133,12 @@ class RequestProcessor:
         return dataclasses.replace(request.params, max_tokens=max_tokens)
 
 
+def _opens_reasoning(prompt_text: str | None, start_tag: str | None) -> bool:
+    """A template that ends the generation prompt with the reasoning tag (e.g. `<think>\n`)
+    makes the output start inside the reasoning; only the rendered prompt shows it."""
+    return bool(prompt_text and start_tag and prompt_text.rstrip().endswith(start_tag))
+
+
 @dataclass
 class _Usage:
     prompt_tokens: int
@@ -140,8 +148,10 @@ class _Usage:
 class _OutputState:
     """Detokenizer, stop matcher, timings and logprobs of one choice of a request."""
 
-    def __init__(self, tokenizer, prompt_ids: list[int], params: SamplingParams, arrival: float) -> None:
+    def __init__(self, tokenizer, prompt_ids: list[int], params: SamplingParams, arrival: float,
+                 reasoning_open: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.reasoning_open = reasoning_open
         self.params = params
         self.prompt_ids = prompt_ids
         self.num_tokens = 0
@@ -151,7 +161,7 @@ class _OutputState:
         self.finished = False
 
     def consume(self, events: list[TokenEvent], usage: _Usage) -> GenerationChunk:
-        chunk = GenerationChunk(prompt_tokens=usage.prompt_tokens)
+        chunk = GenerationChunk(prompt_tokens=usage.prompt_tokens, reasoning_open=self.reasoning_open)
         if self.params.logprobs is not None:
             chunk.logprobs = []
         texts: list[str] = []
