@@ -151,8 +151,7 @@ class HermesToolParser(ToolParser):
                 if start < 0:
                     self._emit_text(out)
                     return out
-                if self._buffer[:start].strip():  # whitespace before a call is not content
-                    out.content += self._buffer[:start]
+                out.content += self._buffer[:start].rstrip()  # whitespace before a call is not content
                 self._buffer, self._in_call = self._buffer[start + len(self.OPEN):], True
 
     def finish(self) -> ToolOutput:
@@ -165,13 +164,12 @@ class HermesToolParser(ToolParser):
         return out
 
     def _emit_text(self, out: ToolOutput) -> None:
-        """Emit what cannot be the start of a call. Whitespace alone waits: it may only
-        separate calls (then it is dropped) or be followed by more text."""
+        """Emit what cannot be the start of a call. Trailing whitespace waits: if a call
+        follows (or the output ends after calls) it is dropped, else it is content."""
         held = held_prefix(self._buffer, self.OPEN)
-        text = self._buffer[: len(self._buffer) - held]
-        if text.strip():
-            out.content += text
-            self._buffer = self._buffer[len(text):]
+        text = self._buffer[: len(self._buffer) - held].rstrip()
+        out.content += text
+        self._buffer = self._buffer[len(text):]
 
     def _close_call(self, body: str, out: ToolOutput, closed: bool = True) -> None:
         self._in_call = False
