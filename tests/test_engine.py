@@ -33,10 +33,10 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
 
 
-def make_engine(model, num_blocks=256, block_size=4, eos=frozenset(), **limits) -> LLMEngine:
+def make_engine(model, num_blocks=256, block_size=4, eos=frozenset(), tokenizer=None, **limits) -> LLMEngine:
     per_token = KVCacheShape.from_model_config(model.config, model.dtype).bytes_per_token
     limits = EngineLimits(block_size=block_size, kv_cache_bytes=num_blocks * block_size * per_token, **limits)
-    engine = LLMEngine(model, eos, limits, CPU)
+    engine = LLMEngine(model, eos, limits, CPU, tokenizer=tokenizer)
     assert engine.blocks.num_blocks == num_blocks
     return engine
 

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from workers.engine import LLMEngine, TokenEvent
+from workers.guided import GuideState
 from workers.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     stream: "RequestStream"
+    guide: GuideState | None
 
 
 @dataclass
@@ -104,13 +106,19 @@ class AsyncEngine:
         started = self._step_started
         return 0.0 if started is None else time.monotonic() - started
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Check the request now (raises CapacityError), then queue it for the engine thread."""
+    def add_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, guide: GuideState | None = None
+    ) -> RequestStream:
+        """Check the request now (raises CapacityError, or GuidedDecodingError for a grammar
+        that does not compile), then queue it for the engine thread. A guided request's
+        grammar is compiled here, on the caller's thread, unless `guide` is given."""
         if not self.alive:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
         self.engine.check_request(prompt_token_ids, params)
+        if guide is None:
+            guide = self.engine.compile_guide(params)
         stream = RequestStream()
-        self._commands.put(_Add(prompt_token_ids, params, stream))
+        self._commands.put(_Add(prompt_token_ids, params, stream, guide))
         self._wake.set()
         if self.error is not None:
             # The engine died after the check above; its last drain may have missed this command.
@@ -174,7 +182,7 @@ class AsyncEngine:
                 return
             if isinstance(cmd, _Add):
                 try:
-                    request_id = self.engine.add_request(cmd.prompt_token_ids, cmd.params)
+                    request_id = self.engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.guide)
                 except Exception as exc:  # noqa: BLE001 - fails this request only
                     self._loop.call_soon_threadsafe(_deliver, [(cmd.stream, exc)])
                     continue

@@ -45,7 +45,7 @@ def build_engine(config: ModelConfig) -> tuple[AsyncEngine, object]:
         max_model_len=min(eng.max_model_len or model_window, model_window),
     )
     eos = _eos_token_ids(loaded)
-    engine = LLMEngine(loaded.model, eos, limits, torch.device(config.device))
+    engine = LLMEngine(loaded.model, eos, limits, torch.device(config.device), tokenizer=loaded.tokenizer)
     return AsyncEngine(engine), loaded.tokenizer
 
 

@@ -15,6 +15,7 @@ import torch
 
 from workers.beam_search import BeamGroup
 from workers.block_manager import BlockManager
+from workers.guided import GuidedDecoder, GuidedDecodingError, GuideState
 from workers.kv_cache import KVCacheShape, PagedKVCache
 from workers.model_runner import ModelRunner, PromptLogitRows
 from workers.sampler import Sampler, SamplingTensors, token_logprobs
@@ -67,7 +68,10 @@ class LLMEngine:
         eos_token_ids: frozenset[int],
         limits: EngineLimits,
         device: torch.device,
+        tokenizer=None,
     ) -> None:
+        """`tokenizer` (a fast HF tokenizer) enables guided decoding; without one, a guided
+        request is refused."""
         self.limits = limits
         self.device = device
         self.eos_token_ids = eos_token_ids
@@ -86,6 +90,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(model, self.kv_cache, device)
         self.sampler = Sampler()
+        self.guided = _guided_decoder(tokenizer, self.vocab_size, eos_token_ids)
         self._ids = itertools.count()
         self._requests: dict[int, list[Sequence]] = {}  # request id -> its live choices
         self._beams: dict[int, BeamGroup] = {}  # beam-search requests
@@ -110,15 +115,31 @@ class LLMEngine:
                 f"The request needs {kv_needed} tokens of KV cache; this worker's cache holds {capacity}."
             )
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Queue a request; returns its id. Choices 1..n-1 fork from choice 0 after the prompt."""
+    def compile_guide(self, params: SamplingParams) -> GuideState | None:
+        """The grammar state for a guided request (None when unguided); raises
+        GuidedDecodingError. Reads only immutable state, so any thread may call it: grammar
+        compilation can take milliseconds and is better kept off the engine thread."""
+        if params.guided is None:
+            return None
+        if params.use_beam_search:
+            raise GuidedDecodingError("guided decoding is not available with beam search")
+        if self.guided is None:
+            raise GuidedDecodingError("this engine has no tokenizer, so it cannot guide decoding")
+        return self.guided.compile(params.guided)
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, guide: GuideState | None = None) -> int:
+        """Queue a request; returns its id. Choices 1..n-1 fork from choice 0 after the prompt.
+        A guided request's grammar is compiled here unless `guide` (from compile_guide) is given."""
         self.check_request(prompt_token_ids, params)
+        if params.guided is not None and guide is None:
+            guide = self.compile_guide(params)
         seq = Sequence(
             seq_id=next(self._ids),
             token_ids=list(prompt_token_ids),
             params=params,
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.limits.max_model_len,
+            guide=guide,
         )
         self._requests[seq.request_id] = [seq]
         if params.use_beam_search:
@@ -193,6 +214,8 @@ class LLMEngine:
             return events
         row_logits = logits[[i for i, c in enumerate(chunks) if not c.seq.params.use_beam_search]][rows]
         tensors = SamplingTensors.from_sequences(seqs, self.vocab_size, self.device)
+        if self.guided is not None:
+            tensors.guided = self.guided.mask([s.guide for s in seqs], self.device)
         tokens = self.sampler(row_logits, tensors)
         logprobs = self._logprobs(seqs, row_logits, tokens)
         results = self.scheduler.append_tokens(seqs, tokens.tolist())
@@ -335,6 +358,16 @@ class LLMEngine:
             del self._requests[seq.request_id]
 
 
+def _guided_decoder(tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> GuidedDecoder | None:
+    if tokenizer is None:
+        return None
+    try:
+        return GuidedDecoder(tokenizer, vocab_size, eos_token_ids)
+    except ValueError:  # llguidance reads fast (Rust) tokenizers only
+        logger.warning("guided decoding is off: %s is not a fast tokenizer", type(tokenizer).__name__)
+        return None
+
+
 @dataclass
 class _StepSnapshot:
     """What a step may change, so a failed step can be undone before it is retried."""
@@ -369,6 +402,8 @@ class _StepSnapshot:
             seq.num_computed_tokens = computed
             del seq.token_ids[length:]
             seq.cum_logprob = cum
+            if seq.guide is not None:
+                seq.guide.truncate(seq.output_token_ids)
         engine._pending_beam_rows.clear()
         engine._pending_beam_rows.update(self.pending_beam_rows)
         return True

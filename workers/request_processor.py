@@ -8,6 +8,7 @@ once and its KV blocks are freed.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from workers.async_engine import AsyncEngine, EngineDeadError
 from workers.detokenizer import IncrementalDetokenizer
 from workers.engine import CapacityError, TokenEvent
+from workers.guided import GuidedDecodingError
 from workers.prompts import PromptBuilder, PromptError
 from workers.protocol import ErrorInfo, GenerateRequest, GenerationChunk, TokenLogprob, TopLogprob
 from workers.sampling_params import SamplingParams
@@ -54,9 +56,15 @@ class RequestProcessor:
             prompt = self.prompts.build(request)
             prompt_ids = prompt.token_ids
             params = self._resolve_params(request, len(prompt_ids))
-            stream = self.engine.add_request(prompt_ids, params)
+            # Compiling a grammar can take milliseconds: neither the loop nor the engine waits.
+            guide = await asyncio.to_thread(self.engine.engine.compile_guide, params) if params.guided else None
+            stream = self.engine.add_request(prompt_ids, params, guide)
         except PromptError as exc:
             yield GenerationChunk(error=ErrorInfo(400, str(exc), param=exc.param))
+            return
+        except GuidedDecodingError as exc:
+            yield GenerationChunk(error=ErrorInfo(400, f"the output constraint cannot be used: {exc}",
+                                                  code="invalid_grammar"))
             return
         except CapacityError as exc:
             param = "max_tokens" if request.max_tokens is not None else ("prompt" if request.prompt is not None else "messages")

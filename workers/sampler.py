@@ -2,7 +2,8 @@
 seeds, as tensor operations over the whole batch.
 
 Order (as vLLM): logit bias and min_tokens bans, then repetition / frequency /
-presence penalties, then greedy rows take the argmax; the other rows are divided by
+presence penalties, then the grammar mask of guided rows (last, so it always wins),
+then greedy rows take the argmax; the other rows are divided by
 their temperature and cut by top-k, top-p and min-p.
 
 Sampling is by inverse CDF: one uniform number per row, located in the row's
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.guided import GuidedMask
 from workers.sequence import Sequence
 
 
@@ -78,6 +80,7 @@ class SamplingTensors:
     min_ps: torch.Tensor | None = None  # [S], None when no row uses min-p
     penalties: PenaltyTensors | None = None
     additive: tuple[list[int], list[int], list[float]] | None = None  # (rows, token ids, bias): bias and bans
+    guided: GuidedMask | None = None  # set by the engine when some row is guided
 
     @classmethod
     def from_sequences(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> "SamplingTensors":
@@ -116,7 +119,9 @@ def _additive_entries(seqs: list[Sequence], vocab_size: int) -> tuple[list[int],
                 rows.append(row)
                 tokens.append(token)
                 values.append(bias)
-        if seq.num_output_tokens < params.min_tokens:
+        # A complete grammar allows only EOS: banning it would leave no token at all.
+        grammar_done = seq.guide is not None and seq.guide.is_complete
+        if seq.num_output_tokens < params.min_tokens and not grammar_done:
             banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(seq.eos_token_ids))
             for token in banned:
                 if 0 <= token < vocab_size:
@@ -152,7 +157,8 @@ class Sampler:
 
     @staticmethod
     def process(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-        """Bias, bans and penalties: what changes the distribution before the choice of token."""
+        """Bias, bans, penalties and the grammar mask: what changes the distribution before
+        the choice of token."""
         if st.additive is not None:
             rows, tokens, values = st.additive
             logits = logits.index_put(
@@ -162,6 +168,8 @@ class Sampler:
             )
         if st.penalties is not None:
             logits = st.penalties.apply(logits)
+        if st.guided is not None:
+            logits = st.guided.apply(logits)
         return logits
 
     @staticmethod

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from workers.guided import GuideState
 from workers.sampling_params import SamplingParams
 
 
@@ -51,6 +52,7 @@ class Sequence:
     queue_time: float | None = None  # seconds from arrival to its first scheduled step
     # (token_id, logprob, top [(id, logprob)]) per prompt position after the first.
     prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+    guide: GuideState | None = None  # the grammar state when params.guided is set
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
@@ -75,6 +77,7 @@ class Sequence:
         child.num_prompt_tokens = self.num_prompt_tokens
         child.num_computed_tokens = self.num_computed_tokens
         child.status = self.status
+        child.guide = self.guide.fork() if self.guide is not None else None
         return child
 
     @property
@@ -106,6 +109,8 @@ class Sequence:
     def append_token(self, token_id: int) -> FinishReason | None:
         """Add a sampled token and return why the sequence ends now, if it does."""
         self.token_ids.append(token_id)
+        if self.guide is not None and self.guide.advance(token_id):
+            return FinishReason.STOP  # EOS where the grammar is complete (also with ignore_eos)
         params = self.params
         if not params.ignore_eos and token_id in self.eos_token_ids:
             return FinishReason.STOP

@@ -1,0 +1,167 @@
+"""Constrained decoding: each guided sequence's grammar state, and the batch's token mask.
+
+llguidance (Rust) does the grammar work: a `GuidedDecoding` compiles to an `LLMatcher`
+against an `LLTokenizer` built once per engine. Each step, the matchers of the rows
+that sample fill one int32 bitmask in a single call (llguidance spreads the rows over
+its own threads, without the GIL); the sampler turns it into one boolean tensor and
+sets every forbidden logit to -inf after bias and penalties, so the mask always wins.
+After sampling, each guided sequence feeds its token to its matcher.
+
+End of output: the mask allows an EOS token only where the grammar may end, and only
+EOS once the grammar can take nothing more; a sampled EOS ends the sequence (`stop`,
+even with ignore_eos). The matcher never consumes that EOS, so it always holds exactly
+the sequence's output tokens; undoing a failed step rolls it back to them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+
+from workers.sampling_params import GuidedDecoding
+
+# Compact JSON (no free whitespace between tokens) keeps outputs short and stops a model
+# from spending its budget on blank lines; a schema may override it with "x-guidance".
+JSON_DEFAULTS = {"whitespace_flexible": False}
+
+
+class GuidedDecodingError(ValueError):
+    """The grammar cannot be compiled, or the request cannot be guided."""
+
+
+def grammar_text(guided: GuidedDecoding) -> str:
+    """The llguidance grammar for a constraint (not yet checked)."""
+    if guided.kind == "json_schema":
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(guided.spec, defaults=JSON_DEFAULTS)
+        except ValueError as exc:
+            raise GuidedDecodingError(f"the schema is not a JSON object: {exc}") from exc
+    if guided.kind == "lark":
+        return llguidance.LLMatcher.grammar_from_lark(guided.spec)
+    if guided.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(guided.spec)
+    raise GuidedDecodingError(f"unknown guided decoding kind {guided.kind!r}")
+
+
+def lark_json(schema: dict) -> str:
+    """`%json {...}` for embedding `schema` in a Lark grammar, compact like a json_schema
+    constraint (a bare `%json` allows free whitespace between every token)."""
+    options = {**JSON_DEFAULTS, **schema.get("x-guidance", {})}
+    return "%json " + json.dumps({**schema, "x-guidance": options})
+
+
+def grammar_error(guided: GuidedDecoding) -> str | None:
+    """Why llguidance rejects this constraint, or None. Needs no tokenizer, so the API edge
+    calls it before a request reaches a worker."""
+    try:
+        message = llguidance.LLMatcher.validate_grammar(grammar_text(guided))
+    except GuidedDecodingError as exc:
+        return str(exc)
+    return message.strip() or None
+
+
+class GuideState:
+    """One sequence's matcher; it has consumed exactly the sequence's output tokens."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, eos_token_ids: frozenset[int]) -> None:
+        self.matcher = matcher
+        self.eos_token_ids = eos_token_ids
+        self.num_tokens = 0
+
+    def fork(self) -> "GuideState":
+        """An independent copy for a sibling choice (n > 1)."""
+        child = GuideState(self.matcher.deep_copy(), self.eos_token_ids)
+        child.num_tokens = self.num_tokens
+        return child
+
+    @property
+    def is_complete(self) -> bool:
+        """The grammar can take no more tokens: only EOS is allowed now."""
+        return self.matcher.is_stopped()
+
+    def advance(self, token_id: int) -> bool:
+        """Feed a sampled token; True when it is an EOS that ends the (complete) output."""
+        if token_id in self.eos_token_ids:
+            if not self.matcher.is_accepting():
+                raise GuidedDecodingError(f"EOS sampled where the grammar cannot end ({self._state()})")
+            return True
+        if not self.matcher.consume_token(token_id):
+            raise GuidedDecodingError(f"token {token_id} rejected by the grammar: {self._state()}")
+        self.num_tokens += 1
+        return False
+
+    def truncate(self, output_token_ids: list[int]) -> None:
+        """Undo tokens fed since the sequence held `output_token_ids` (a failed step)."""
+        extra = self.num_tokens - len(output_token_ids)
+        if extra == 0:
+            return
+        if not self.matcher.rollback(extra):
+            self.matcher.reset()
+            self.matcher.consume_tokens(output_token_ids)
+        self.num_tokens = len(output_token_ids)
+
+    def check(self) -> None:
+        if self.matcher.is_error():
+            raise GuidedDecodingError(f"grammar state is broken: {self._state()}")
+
+    def _state(self) -> str:
+        return self.matcher.get_error() or "no error reported"
+
+
+@dataclass
+class GuidedMask:
+    """Which logits a batch's guided rows may keep."""
+
+    rows: torch.Tensor  # [G] long: the batch rows that are guided
+    allowed: torch.Tensor  # [G, V] bool
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """A copy of `logits` [S, V] with the forbidden entries of the guided rows at -inf."""
+        masked = logits.index_select(0, self.rows).masked_fill_(~self.allowed, float("-inf"))
+        return logits.index_copy(0, self.rows, masked)
+
+
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+class GuidedDecoder:
+    """Per engine: the llguidance tokenizer, grammar compilation and the batched mask."""
+
+    def __init__(self, hf_tokenizer, model_vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        eos = sorted(eos_token_ids) or [hf_tokenizer.eos_token_id]
+        # The model's logits may be wider than the tokenizer (padded embeddings): ids past
+        # the tokenizer have no bytes, so llguidance never allows them.
+        n_vocab = max(model_vocab_size, len(hf_tokenizer))
+        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=n_vocab, eos_token=eos)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_tokens)
+        self.model_vocab_size = model_vocab_size
+        self.executor = llguidance.LLExecutor()
+
+    def compile(self, guided: GuidedDecoding) -> GuideState:
+        """A fresh matcher; raises GuidedDecodingError for a grammar llguidance rejects.
+        Thread-safe: the API worker compiles off the engine thread."""
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar_text(guided), log_level=0)
+        if matcher.is_error():
+            raise GuidedDecodingError(f"invalid {guided.kind} grammar: {matcher.get_error()}")
+        return GuideState(matcher, self.eos_token_ids)
+
+    def mask(self, guides: list[GuideState | None], device: torch.device) -> GuidedMask | None:
+        """The mask of a batch whose row i is guided by guides[i] (None: unconstrained)."""
+        rows = [i for i, g in enumerate(guides) if g is not None]
+        if not rows:
+            return None
+        for i in rows:
+            guides[i].check()  # a broken matcher would allow only EOS: fail loudly instead
+        words = (self.tokenizer.vocab_size + 31) // 32
+        bitmask = torch.zeros(len(rows), words, dtype=torch.int32)
+        llguidance.torch.fill_next_token_bitmask_par(
+            self.executor, [(guides[i].matcher, k) for k, i in enumerate(rows)], bitmask
+        )
+        bits = (bitmask.unsqueeze(-1) >> _BIT_SHIFTS) & 1  # [G, words, 32], token = 32 * word + bit
+        allowed = bits.view(len(rows), words * 32)[:, : self.model_vocab_size].bool()
+        return GuidedMask(torch.tensor(rows, device=device), allowed.to(device))
