@@ -39,6 +39,20 @@ HERMES_OUTPUTS = [
     # cut off before the closing tag, the call complete: still a call
     ('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 1}}', "", [("add", {"a": 1, "b": 1})]),
 ]
+# Recorded from SmolLM2-135M-Instruct (the default model; its template ignores tools, so
+# chatserve's hermes section taught it the format), seed 001 request sample 1, greedy, 60
+# tokens: with tool_choice "required" (parallel calls allowed) it repeats the call until
+# the cap, and the cut second call comes back as content; under "auto" it answers in text.
+SMOLLM2_REQUIRED = ('<tool_call>\n{"name": "get_delivery_date", "arguments": {"order_id": "{order_id}"}}\n</tool_call>\n'
+                    '<tool_call>\n{"name": "get_delivery_date", "arguments": {"order_')
+SMOLLM2_AUTO = ("You can use the `get_delivery_date()` function in the `get_delivery_date()` function call to get the "
+                "delivery date for a customer's order.\n\nHere's an example:\n```\ndef get_delivery_date(order_id):\n"
+                "    return get_delivery")
+HERMES_OUTPUTS += [
+    (SMOLLM2_REQUIRED, '<tool_call>\n{"name": "get_delivery_date", "arguments": {"order_',
+     [("get_delivery_date", {"order_id": "{order_id}"})]),
+    (SMOLLM2_AUTO, SMOLLM2_AUTO, []),
+]
 HERMES_MALFORMED = [
     '<tool_call>\n{"name": "add", "arguments": {"a": 1,, }}\n</tool_call>',  # bad JSON
     '<tool_call>\n{"name": "launch_rocket", "arguments": {}}\n</tool_call>',  # unknown function
