@@ -30,7 +30,7 @@ from serve_app.protocol import (
     Usage,
     or_default,
 )
-from serve_app.tool_parsers import PARSERS, HermesToolParser, ParsedCall
+from serve_app.tool_parsers import PARSERS, HermesToolParser, ParsedCall, grammar_problem
 from workers.config import ModelConfig
 from workers.protocol import GenerateRequest, GenerationChunk, TokenLogprob, TopLogprob
 from workers.sampling_params import GuidedDecoding, SamplingParams
@@ -57,6 +57,9 @@ def to_generate_request(req: ChatCompletionRequest, request_id: str,
     if req.guided_tools:
         grammar = parser.grammar(tools, req.effective_tool_choice, req.parallel_tool_calls is not False)
         if grammar is not None:
+            if (problem := grammar_problem(grammar)) is not None:
+                raise APIError(400, f"the tools' parameters cannot be enforced by constrained decoding: {problem}",
+                               param="tools", code="unsupported_schema")
             params = dataclasses.replace(params, guided=GuidedDecoding(kind="lark", spec=grammar))
     return GenerateRequest(
         request_id=request_id,

@@ -23,6 +23,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from llguidance import LLMatcher
+
 from serve_app.protocol import FunctionDefinition, NamedToolChoice, Tool
 from serve_app.tags import held_prefix
 from workers.protocol import ToolPrompt
@@ -65,8 +67,7 @@ def _call_from(obj: Any, names: set[str], arguments_keys: tuple[str, ...]) -> Pa
     return ParsedCall(new_call_id(), obj["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-def _call_schema(function: FunctionDefinition, arguments_key: str, bound: bool) -> dict[str, Any]:
-    arguments = function.schema if bound else {"type": "object"}
+def _call_schema(function: FunctionDefinition, arguments_key: str, arguments: dict[str, Any]) -> dict[str, Any]:
     return {
         "type": "object",
         "properties": {"name": {"const": function.name}, arguments_key: arguments},
@@ -78,11 +79,53 @@ def _call_schema(function: FunctionDefinition, arguments_key: str, bound: bool) 
 def _calls_schema(functions: list[FunctionDefinition], arguments_key: str, bind_all: bool) -> str:
     """One JSON schema for a call to any of `functions` (llguidance wants anyOf, not rule
     alternatives); arguments are bound to the function's schema when forced or strict."""
-    options = [_call_schema(f, arguments_key, bind_all or bool(f.strict)) for f in functions]
+    options, defs = [], {}
+    for i, function in enumerate(functions):
+        arguments: dict[str, Any] = {"type": "object"}
+        if bind_all or function.strict:
+            location = f"#/properties/{arguments_key}" if len(functions) == 1 else f"#/anyOf/{i}/properties/{arguments_key}"
+            arguments, own_defs = _relocated(function.schema, location, f"f{i}_")
+            defs.update(own_defs)
+        options.append(_call_schema(function, arguments_key, arguments))
     schema = dict(options[0]) if len(options) == 1 else {"anyOf": options}
+    if defs:
+        schema["$defs"] = defs
     # Compact JSON as models write it; flexible whitespace would let a model pad forever.
     schema["x-guidance"] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
     return json.dumps(schema, ensure_ascii=False)
+
+
+def _relocated(schema: dict[str, Any], location: str, prefix: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A function's parameters schema moved from a document root to `location` inside the
+    call schema: its definitions (`$defs`, `definitions`, as pydantic writes them) go to
+    the root's `$defs` under `prefix`, and its local `$ref`s are rewritten to follow."""
+
+    def moved(ref: str) -> str:
+        for key in ("#/$defs/", "#/definitions/"):
+            if ref.startswith(key):
+                return "#/$defs/" + prefix + ref[len(key):]
+        return location + ref[1:]
+
+    def fix(node: Any) -> Any:
+        if isinstance(node, list):
+            return [fix(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: fix(v) for k, v in node.items()}
+        if isinstance(node.get("$ref"), str) and node["$ref"].startswith("#"):
+            out["$ref"] = moved(node["$ref"])
+        return out
+
+    defs = {prefix + name: fix(sub) for key in ("$defs", "definitions") for name, sub in (schema.get(key) or {}).items()}
+    body = fix({k: v for k, v in schema.items() if k not in ("$defs", "definitions")})
+    return body, defs
+
+
+def grammar_problem(grammar: str) -> str | None:
+    """Why llguidance cannot run this grammar (e.g. a schema with a look-ahead pattern), or
+    None; needs no tokenizer, so the ingress refuses such a request before any worker."""
+    message = LLMatcher.validate_grammar(LLMatcher.grammar_from_lark(grammar)).strip()
+    return message.splitlines()[0] if message else None
 
 
 def _tool_list(tools: list[Tool]) -> str:

@@ -241,3 +241,19 @@ def test_what_the_grammar_forces_the_parser_reads(parser_cls, ll_tokenizer, tiny
     text = (hermes if parser_cls is HermesToolParser else llama)("get_delivery_date", {"order_id": "12345"})
     assert accepts(ll_tokenizer, tiny_tokenizer, grammar, text)
     assert calls_of(parser_cls.parse(text, [DELIVERY])) == [("get_delivery_date", {"order_id": "12345"})]
+
+
+def test_schemas_with_definitions_keep_their_references(ll_tokenizer, tiny_tokenizer):
+    """Pydantic-made parameters hold `$defs` and `#/$defs/...` refs relative to their own
+    root; inside the call schema they must still resolve (also with several tools)."""
+    item = {"type": "object", "properties": {"sku": {"type": "string", "maxLength": 4}, "next": {"$ref": "#/$defs/Item"}},
+            "required": ["sku"], "additionalProperties": False}
+    params = {"type": "object", "$defs": {"Item": item}, "properties": {"item": {"$ref": "#/$defs/Item"}},
+              "required": ["item"], "additionalProperties": False}
+    order = Tool.model_validate({"type": "function", "function": {"name": "order", "parameters": params}})
+    for tools in ([order], [ADD, order]):
+        grammar = HermesToolParser.grammar(tools, "required", False)
+        assert LLMatcher.validate_grammar(LLMatcher.grammar_from_lark(grammar)) == ""
+        ok = lambda args: accepts(ll_tokenizer, tiny_tokenizer, grammar, hermes("order", args))  # noqa: E731
+        assert ok({"item": {"sku": "ab", "next": {"sku": "c"}}})
+        assert not ok({"item": {"sku": "ab", "next": {"id": 3}}})

@@ -48,6 +48,9 @@ def rejected(body: dict) -> APIError:
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"x": {"minimum": "0"}}}}}]},
      "tools.0.function.parameters"),
     ({"tools": [SHIP, SHIP]}, "tools"),
+    # valid JSON schema, but a look-ahead pattern llguidance cannot enforce (only checked when forced or strict)
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "pattern": "(?=a)b"}}}}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tool_choice": NAMED_SHIP}, "tool_choice"),
     ({"tools": [SHIP], "tool_choice": {"type": "function", "function": {"name": "fly"}}}, "tool_choice"),
