@@ -235,9 +235,11 @@ class HermesToolParser(ToolParser):
             # Free text; once the model writes the opening tag (a lazy trigger), the call
             # must be valid, with strict functions' arguments bound to their schemas.
             schema = _calls_schema([t.function for t in tools], "arguments", bind_all=False)
+            # Parallel: calls and text in any order; else text, or text and one last call.
+            start = "call* TEXT" if parallel else "TEXT | call"
             return (
                 "%llguidance {}\n"
-                "start: call* TEXT\n"
+                f"start: {start}\n"
                 "TEXT: /(.|\\n)*/\n"
                 f'trigger[lazy]: TEXT "{cls.OPEN}"\n'
                 f'call: trigger {_WS} %json {schema} {_WS} "{cls.CLOSE}"\n'
@@ -322,11 +324,12 @@ class Llama3JsonToolParser(ToolParser):
                 return None
             # Plain text that cannot be taken for a call, or calls whose arguments are bound.
             schema = _calls_schema([t.function for t in tools], "parameters", bind_all=False)
+            repeat = ' ("; " call)*' if parallel else ""
             return (
                 "%llguidance {}\n"
                 "start: TEXT | calls\n"
                 "TEXT: /[ \\t\\n]*([^{ \\t\\n<](.|\\n)*)?/\n"
-                'calls: call ("; " call)*\n'
+                f"calls: call{repeat}\n"
                 f"call: %json {schema}\n"
             )
         schema = _calls_schema(forced_functions(tools, choice), "parameters", bind_all=True)

@@ -257,3 +257,14 @@ def test_schemas_with_definitions_keep_their_references(ll_tokenizer, tiny_token
         ok = lambda args: accepts(ll_tokenizer, tiny_tokenizer, grammar, hermes("order", args))  # noqa: E731
         assert ok({"item": {"sku": "ab", "next": {"sku": "c"}}})
         assert not ok({"item": {"sku": "ab", "next": {"id": 3}}})
+
+
+@pytest.mark.parametrize(("parser_cls", "call", "separator"), [(HermesToolParser, hermes, "\n"),
+                                                                (Llama3JsonToolParser, llama, "; ")])
+def test_strict_auto_without_parallel_calls_allows_at_most_one(parser_cls, call, separator, ll_tokenizer, tiny_tokenizer):
+    grammar = parser_cls.grammar(TOOLS, "auto", False)
+    one = call("get_delivery_date", {"order_id": "1"})
+    assert accepts(ll_tokenizer, tiny_tokenizer, grammar, one)
+    assert accepts(ll_tokenizer, tiny_tokenizer, grammar, "No call needed.")
+    assert not accepts(ll_tokenizer, tiny_tokenizer, grammar, one + separator + one)
+    assert not accepts(ll_tokenizer, tiny_tokenizer, grammar, call("get_delivery_date", {"order_id": 1}))
