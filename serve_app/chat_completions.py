@@ -30,7 +30,7 @@ from serve_app.protocol import (
     Usage,
     or_default,
 )
-from serve_app.tool_parsers import PARSERS, HermesToolParser, ParsedCall, grammar_problem
+from serve_app.tool_parsers import PARSERS, HermesToolParser, ParsedCall, ToolParser, grammar_problem
 from workers.config import ModelConfig
 from workers.protocol import GenerateRequest, GenerationChunk, TokenLogprob, TopLogprob
 from workers.sampling_params import GuidedDecoding, SamplingParams
@@ -53,17 +53,9 @@ def to_generate_request(req: ChatCompletionRequest, request_id: str,
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     parser = PARSERS[model.tool_call_parser] if model is not None else HermesToolParser
     tools = req.tools_in_play
-    params = sampling_params(req)
-    if req.guided_tools:
-        grammar = parser.grammar(tools, req.effective_tool_choice, req.parallel_tool_calls is not False)
-        if grammar is not None:
-            if (problem := grammar_problem(grammar)) is not None:
-                raise APIError(400, f"the tools' parameters cannot be enforced by constrained decoding: {problem}",
-                               param="tools", code="unsupported_schema")
-            params = dataclasses.replace(params, guided=GuidedDecoding(kind="lark", spec=grammar))
     return GenerateRequest(
         request_id=request_id,
-        params=params,
+        params=dataclasses.replace(sampling_params(req), guided=tool_constraint(req, parser)),
         messages=messages,
         max_tokens=req.output_cap,
         chat_template_kwargs=dict(req.chat_template_kwargs or {}),
@@ -71,6 +63,20 @@ def to_generate_request(req: ChatCompletionRequest, request_id: str,
         tool_prompt=parser.tool_prompt(tools),
         reasoning_start="<think>" if model is not None and model.reasoning_parser else None,
     )
+
+
+def tool_constraint(req: ChatCompletionRequest, parser: type[ToolParser]) -> GuidedDecoding | None:
+    """The grammar that forces calls (`required`, a named function) or binds strict
+    functions' arguments; None when the tools leave the output free."""
+    if not req.guided_tools:
+        return None
+    grammar = parser.grammar(req.tools_in_play, req.effective_tool_choice, req.parallel_tool_calls is not False)
+    if grammar is None:
+        return None
+    if (problem := grammar_problem(grammar)) is not None:
+        raise APIError(400, f"the tools' parameters cannot be enforced by constrained decoding: {problem}",
+                       param="tools", code="unsupported_schema")
+    return GuidedDecoding(kind="lark", spec=grammar)
 
 
 def sampling_params(req: ChatCompletionRequest) -> SamplingParams:
