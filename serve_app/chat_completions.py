@@ -30,6 +30,7 @@ from serve_app.protocol import (
     Usage,
     or_default,
 )
+from serve_app.reasoning import REASONING_PARSERS
 from serve_app.tool_parsers import PARSERS, HermesToolParser, ParsedCall, ToolParser, grammar_problem
 from workers.config import ModelConfig
 from workers.protocol import GenerateRequest, GenerationChunk, TokenLogprob, TopLogprob
@@ -61,7 +62,7 @@ def to_generate_request(req: ChatCompletionRequest, request_id: str,
         chat_template_kwargs=dict(req.chat_template_kwargs or {}),
         tools=[t.model_dump(exclude_none=True) for t in tools] or None,
         tool_prompt=parser.tool_prompt(tools),
-        reasoning_start="<think>" if model is not None and model.reasoning_parser else None,
+        reasoning_start=REASONING_PARSERS[model.reasoning_parser].START if model and model.reasoning_parser else None,
     )
 
 
