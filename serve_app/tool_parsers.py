@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,8 +133,9 @@ def _tool_list(tools: list[Tool]) -> str:
     return "\n".join(json.dumps(t.model_dump(exclude_none=True), ensure_ascii=False) for t in tools)
 
 
-class ToolParser:
-    """Base: a streaming parser for one request's choice; `parse` for whole texts."""
+class ToolParser(ABC):
+    """One format. An instance parses one choice's output as it streams; `parse` reads a
+    whole text; the class methods build the format's grammar and prompt section."""
 
     name: str = ""
     arguments_key: str = "arguments"
@@ -142,11 +144,13 @@ class ToolParser:
         self.names = {t.function.name for t in tools}
         self.made_calls = False
 
+    @abstractmethod
     def push(self, text: str) -> ToolOutput:
-        raise NotImplementedError
+        """The content and calls this piece of text completes; the rest is held back."""
 
+    @abstractmethod
     def finish(self) -> ToolOutput:
-        raise NotImplementedError
+        """Everything still held back, at the end of the output."""
 
     @classmethod
     def parse(cls, text: str, tools: list[Tool]) -> ToolOutput:
@@ -155,12 +159,15 @@ class ToolParser:
         return ToolOutput(first.content + last.content, first.calls + last.calls)
 
     @classmethod
+    @abstractmethod
     def grammar(cls, tools: list[Tool], choice: Any, parallel: bool) -> str | None:
-        raise NotImplementedError
+        """The Lark grammar for `tool_choice` (required, named, or auto with strict
+        functions); None when the output stays free."""
 
     @classmethod
+    @abstractmethod
     def tool_prompt(cls, tools: list[Tool]) -> ToolPrompt:
-        raise NotImplementedError
+        """How to write tools and calls for a model whose template ignores tools."""
 
 
 def forced_functions(tools: list[Tool], choice: Any) -> list[FunctionDefinition]:
