@@ -77,16 +77,18 @@ def test_seed_001_multi_turn_tool_flow(default_app):
         {"role": "system", "content": "You are a helpful customer support assistant. Use the supplied tools to assist the user."},
         {"role": "user", "content": "Hi, can you tell me the delivery date for my order? my order id is 12345."},
     ]
-    first = client.chat.completions.create(
-        model=MODEL, messages=messages, tools=[DELIVERY_TOOL], temperature=0, max_tokens=64,
-        tool_choice={"type": "function", "function": {"name": "get_delivery_date"}},
-    )
+    turn_1 = dict(model=MODEL, messages=messages, tools=[DELIVERY_TOOL], temperature=0, max_tokens=64,
+                  tool_choice={"type": "function", "function": {"name": "get_delivery_date"}})
+    first = client.chat.completions.create(**turn_1)
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls"
     [call] = choice.message.tool_calls
     assert call.function.name == "get_delivery_date" and call.id.startswith("call_")
     arguments = json.loads(call.function.arguments)
     assert list(arguments) == ["order_id"] and isinstance(arguments["order_id"], str)
+    with client.chat.completions.stream(**turn_1) as stream:  # the SDK assembles the deltas
+        [streamed] = stream.get_final_completion().choices[0].message.tool_calls
+    assert (streamed.function.name, streamed.function.arguments) == (call.function.name, call.function.arguments)
 
     messages += [
         {"role": "assistant", "tool_calls": [call.model_dump()]},
