@@ -31,6 +31,7 @@ from serve_app.protocol import (
     or_default,
 )
 from serve_app.reasoning import REASONING_PARSERS
+from serve_app.structured_output import guided_decoding
 from serve_app.tool_parsers import PARSERS, HermesToolParser, ParsedCall, ToolParser, grammar_problem
 from workers.config import ModelConfig
 from workers.protocol import GenerateRequest, GenerationChunk, TokenLogprob, TopLogprob
@@ -54,9 +55,12 @@ def to_generate_request(req: ChatCompletionRequest, request_id: str,
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     parser = PARSERS[model.tool_call_parser] if model is not None else HermesToolParser
     tools = req.tools_in_play
+    params = sampling_params(req)  # guided by response_format, if any
+    if (constraint := tool_constraint(req, parser)) is not None:  # never both (cross_field_error)
+        params = dataclasses.replace(params, guided=constraint)
     return GenerateRequest(
         request_id=request_id,
-        params=dataclasses.replace(sampling_params(req), guided=tool_constraint(req, parser)),
+        params=params,
         messages=messages,
         max_tokens=req.output_cap,
         chat_template_kwargs=dict(req.chat_template_kwargs or {}),
@@ -112,6 +116,7 @@ def openai_sampling_kwargs(req) -> dict:
         stop_token_ids=tuple(req.stop_token_ids or ()),
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens,
+        guided=guided_decoding(req.response_format),
     )
 
 

@@ -9,6 +9,8 @@ template. Sampling fields mean what they mean on /v1/chat/completions.
 - `max_tokens`: default 16, as OpenAI; `null` means the rest of the context window.
 - `echo: true` puts the prompt in front of the text (in a stream: in front of the first
   text event).
+- `response_format` constrains the text as on /v1/chat/completions (json_object,
+  json_schema; serve_app/structured_output.py).
 - `suffix` (insertion), `n > 1`, `best_of > 1`, `logprobs`, `use_beam_search` get a 400
   naming the field: not supported.
 - Penalties (`presence_penalty`, `frequency_penalty`, `repetition_penalty`), `min_p`,
@@ -33,7 +35,16 @@ from pydantic import Field, field_validator, model_validator
 
 from serve_app.chat_completions import openai_sampling_kwargs, sse, sse_json, usage_of
 from serve_app.errors import APIError, unsupported
-from serve_app.protocol import RequestModel, ResponseModel, StopStrings, StreamOptions, Usage, or_default, stop_tuple
+from serve_app.protocol import (
+    RequestModel,
+    ResponseFormat,
+    ResponseModel,
+    StopStrings,
+    StreamOptions,
+    Usage,
+    or_default,
+    stop_tuple,
+)
 from workers.protocol import GenerateRequest, GenerationChunk
 from workers.sampling_params import SamplingParams
 
@@ -71,6 +82,7 @@ class CompletionRequest(RequestModel):
     stream_options: StreamOptions | None = None
     echo: bool = False
     user: str | None = None
+    response_format: ResponseFormat = None  # as on /v1/chat/completions (vLLM takes it here too)
 
     # Known, not supported: any non-neutral value is a 400 (see unsupported_field).
     n: int | None = 1

@@ -13,7 +13,17 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import jsonschema
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    WrapValidator,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 
 class RequestModel(BaseModel):
@@ -122,11 +132,51 @@ class StreamOptions(RequestModel):
     continuous_usage_stats: bool = False
 
 
+class TextFormat(RequestModel):
+    type: Literal["text"]
+
+
+class JSONObjectFormat(RequestModel):
+    type: Literal["json_object"]
+
+
+class JSONSchemaSpec(RequestModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # the schema is always enforced, strict or not
+
+
+class JSONSchemaFormat(RequestModel):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaSpec
+
+
+def _as_one_param(value: Any, handler) -> Any:
+    """Report any problem inside response_format as one error naming `response_format`."""
+    try:
+        return handler(value)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = [str(p) for p in err["loc"]]
+        if loc and isinstance(value, dict) and loc[0] == value.get("type"):
+            loc = loc[1:]  # the union member's tag
+        where = ".".join(loc)
+        detail = f"{where}: {err['msg']}" if where else err["msg"]
+        raise PydanticCustomError("response_format", "{detail}", {"detail": detail}) from None
+
+
+# OpenAI's structured output; what each means is in serve_app/structured_output.py.
+ResponseFormat = Annotated[
+    Annotated[TextFormat | JSONObjectFormat | JSONSchemaFormat, Field(discriminator="type")] | None,
+    WrapValidator(_as_one_param),
+]
+
+
 # Fields that change what the model outputs and are not implemented yet: a request
 # that sets one to a non-neutral value gets a 400 instead of a silently different answer.
-UNSUPPORTED_UNLESS_NEUTRAL: dict[str, Any] = {
-    "response_format": None,
-}
+# None at the moment: tools, tool_choice and response_format are all honoured now.
+UNSUPPORTED_UNLESS_NEUTRAL: dict[str, Any] = {}
 
 MAX_STOP_STRINGS = 256
 MAX_LOGPROBS = 20
@@ -182,12 +232,11 @@ class ChatCompletionRequest(RequestModel):
     best_of: int | None = Field(None, ge=1, le=64)  # beam width
     length_penalty: float | None = Field(None, ge=-10.0, le=10.0, allow_inf_nan=False)
 
+    response_format: ResponseFormat = None
+
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without
     parallel_tool_calls: bool | None = None  # None: true
-
-    # Known but not honoured yet (see UNSUPPORTED_UNLESS_NEUTRAL).
-    response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> "ChatCompletionRequest":
@@ -230,6 +279,9 @@ class ChatCompletionRequest(RequestModel):
             return "tool_choice", f"tool_choice names {choice.function.name!r}, which is not among the tools {names}"
         if self.guided_tools and self.use_beam_search:
             return "tool_choice", "forced or strict tool calls are not available with beam search"
+        if self.guided_tools and self.response_format is not None and self.response_format.type != "text":
+            # One grammar a request: the calls' format or the answer's, not both.
+            return "response_format", "response_format cannot be combined with forced or strict tool calls"
         return None
 
     @property
@@ -265,6 +317,8 @@ class ChatCompletionRequest(RequestModel):
             return "top_k", "beam search needs top_k -1"
         if self.logprobs:
             return "logprobs", "logprobs are not available with beam search"
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format", "structured output (response_format) is not available with beam search"
         return None
 
     def unsupported_field(self) -> str | None:

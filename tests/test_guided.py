@@ -310,13 +310,13 @@ def test_a_failed_step_rolls_the_matchers_back(paged_model, tiny_tokenizer, prom
 
 def test_guide_truncate_restores_the_mask(engine, tiny_tokenizer):
     guide = engine.compile_guide(sampled(schema_guide(SCHEMAS["enums"]), 0))
-    before = engine.guided.mask([guide], engine.device).allowed.clone()
+    before = engine.guided.mask([guide], engine.device).forbidden.clone()
     tokens = tiny_tokenizer.encode('{"color":"re', add_special_tokens=False)
     for t in tokens:
         assert not guide.advance(t)
-    assert not torch.equal(engine.guided.mask([guide], engine.device).allowed, before)
+    assert not torch.equal(engine.guided.mask([guide], engine.device).forbidden, before)
     guide.truncate([])
-    assert torch.equal(engine.guided.mask([guide], engine.device).allowed, before)
+    assert torch.equal(engine.guided.mask([guide], engine.device).forbidden, before)
     with pytest.raises(GuidedDecodingError):
         guide.advance(tiny_tokenizer.convert_tokens_to_ids("}"))
 

@@ -56,6 +56,7 @@ def rejected(body: dict) -> APIError:
     ({"tools": [SHIP], "tool_choice": {"type": "function", "function": {"name": "fly"}}}, "tool_choice"),
     ({"tools": [SHIP], "tool_choice": "always"}, "tool_choice"),
     ({"tools": [SHIP], "tool_choice": "required", "n": 2, "use_beam_search": True, "temperature": 0}, "tool_choice"),
+    ({"tools": [SHIP], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": USER + [{"role": "tool", "content": "done"}]}, "messages.1"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "ship", "arguments": "{}"}}]}]}, "messages.0"),

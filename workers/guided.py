@@ -16,6 +16,8 @@ the sequence's output tokens; undoing a failed step rolls it back to them.
 from __future__ import annotations
 
 import json
+import os
+import sys
 from dataclasses import dataclass
 
 import llguidance
@@ -118,29 +120,39 @@ class GuidedMask:
     """Which logits a batch's guided rows may keep."""
 
     rows: torch.Tensor  # [G] long: the batch rows that are guided
-    allowed: torch.Tensor  # [G, V] bool
+    forbidden: torch.Tensor  # [G, V] bool
+    all_rows: bool  # every row of the batch is guided (G == S)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """A copy of `logits` [S, V] with the forbidden entries of the guided rows at -inf."""
-        masked = logits.index_select(0, self.rows).masked_fill_(~self.allowed, float("-inf"))
+        if self.all_rows:
+            return logits.masked_fill(self.forbidden, float("-inf"))
+        masked = logits.index_select(0, self.rows).masked_fill_(self.forbidden, float("-inf"))
         return logits.index_copy(0, self.rows, masked)
 
 
-_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+# Row b of the table: which of the 8 tokens a mask byte of value b forbids. Unpacking by
+# table lookup is ~5x faster than shifting every int32 word 32 times. llguidance writes
+# little-endian words, so byte k of word w holds tokens 32w + 8k .. 32w + 8k + 7.
+assert sys.byteorder == "little"
+_FORBIDDEN_BY_BYTE = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1) == 0
 
 
 class GuidedDecoder:
     """Per engine: the llguidance tokenizer, grammar compilation and the batched mask."""
 
     def __init__(self, hf_tokenizer, model_vocab_size: int, eos_token_ids: frozenset[int]) -> None:
-        eos = sorted(eos_token_ids) or [hf_tokenizer.eos_token_id]
+        eos = sorted(eos_token_ids) or None  # None: the tokenizer's own EOS
         # The model's logits may be wider than the tokenizer (padded embeddings): ids past
         # the tokenizer have no bytes, so llguidance never allows them.
         n_vocab = max(model_vocab_size, len(hf_tokenizer))
         self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=n_vocab, eos_token=eos)
         self.eos_token_ids = frozenset(self.tokenizer.eos_tokens)
         self.model_vocab_size = model_vocab_size
-        self.executor = llguidance.LLExecutor()
+        # Masks are filled between forward passes, when the cores are free; but each row
+        # takes microseconds for typical JSON grammars, so more threads than this only add
+        # dispatch cost (llguidance's default was 4x slower at 16 rows on 2 cores).
+        self.executor = llguidance.LLExecutor(num_threads=max(1, min(8, (os.cpu_count() or 2) // 2)))
 
     def compile(self, guided: GuidedDecoding) -> GuideState:
         """A fresh matcher; raises GuidedDecodingError for a grammar llguidance rejects.
@@ -162,6 +174,6 @@ class GuidedDecoder:
         llguidance.torch.fill_next_token_bitmask_par(
             self.executor, [(guides[i].matcher, k) for k, i in enumerate(rows)], bitmask
         )
-        bits = (bitmask.unsqueeze(-1) >> _BIT_SHIFTS) & 1  # [G, words, 32], token = 32 * word + bit
-        allowed = bits.view(len(rows), words * 32)[:, : self.model_vocab_size].bool()
-        return GuidedMask(torch.tensor(rows, device=device), allowed.to(device))
+        by_byte = bitmask.view(torch.uint8).view(-1).int()
+        forbidden = _FORBIDDEN_BY_BYTE.index_select(0, by_byte).view(len(rows), words * 32)[:, : self.model_vocab_size]
+        return GuidedMask(torch.tensor(rows, device=device), forbidden.to(device), len(rows) == len(guides))

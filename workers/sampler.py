@@ -120,8 +120,7 @@ def _additive_entries(seqs: list[Sequence], vocab_size: int) -> tuple[list[int],
                 tokens.append(token)
                 values.append(bias)
         # A complete grammar allows only EOS: banning it would leave no token at all.
-        grammar_done = seq.guide is not None and seq.guide.is_complete
-        if seq.num_output_tokens < params.min_tokens and not grammar_done:
+        if seq.num_output_tokens < params.min_tokens and not (seq.guide is not None and seq.guide.is_complete):
             banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(seq.eos_token_ids))
             for token in banned:
                 if 0 <= token < vocab_size:
