@@ -106,7 +106,7 @@ class FunctionDefinition(RequestModel):
         return schema
 
     @property
-    def schema(self) -> dict[str, Any]:
+    def arguments_schema(self) -> dict[str, Any]:
         return self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
 
 

@@ -85,7 +85,7 @@ def _calls_schema(functions: list[FunctionDefinition], arguments_key: str, bind_
         arguments: dict[str, Any] = {"type": "object"}
         if bind_all or function.strict:
             location = f"#/properties/{arguments_key}" if len(functions) == 1 else f"#/anyOf/{i}/properties/{arguments_key}"
-            arguments, own_defs = _relocated(function.schema, location, f"f{i}_")
+            arguments, own_defs = _relocated(function.arguments_schema, location, f"f{i}_")
             defs.update(own_defs)
         options.append(_call_schema(function, arguments_key, arguments))
     schema = dict(options[0]) if len(options) == 1 else {"anyOf": options}
