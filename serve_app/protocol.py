@@ -141,6 +141,9 @@ class JSONObjectFormat(RequestModel):
 
 
 class JSONSchemaSpec(RequestModel):
+    # `schema` would shadow a BaseModel attribute: the field is `schema_`, read from
+    # either name (so a dumped request validates again).
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
     name: str = Field(min_length=1)
     description: str | None = None
     schema_: dict[str, Any] = Field(alias="schema")

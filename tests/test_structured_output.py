@@ -158,3 +158,27 @@ def test_invalid_schema_is_400_and_the_worker_keeps_serving(tiny_app):
                                                                 "max_tokens": 96, "seed": 2}, timeout=60)
     assert resp.status_code == 200
     jsonschema.validate(json.loads(resp.json()["choices"][0]["message"]["content"]), PERSON)
+
+
+def test_a_grammar_the_worker_cannot_compile_fails_that_request_only(tiny_app):
+    """Grammars built inside the server (tool calling) skip the ingress check: the worker
+    itself answers 400 and keeps serving."""
+    from ray import serve
+
+    from serve_app.app import worker_deployment_name
+    from tests.serve_fixtures import worker_stats
+    from workers.protocol import GenerateRequest
+    from workers.sampling_params import SamplingParams
+
+    handle = serve.get_deployment_handle(worker_deployment_name(TINY_MODEL_ID), app_name="tiny").options(stream=True)
+    steps_before = worker_stats("tiny", TINY_MODEL_ID).engine_steps
+    bad = GenerateRequest(request_id="bad", messages=MESSAGES, max_tokens=8,
+                          params=SamplingParams(guided=GuidedDecoding("lark", "start: undefined_rule")))
+    chunks = list(handle.generate.remote(bad))
+    assert len(chunks) == 1 and chunks[0].error.status == 400 and "undefined_rule" in chunks[0].error.message
+    good = GenerateRequest(request_id="good", messages=MESSAGES, max_tokens=96,
+                           params=SamplingParams(seed=4, guided=GuidedDecoding("json_schema", json.dumps(PERSON))))
+    chunks = list(handle.generate.remote(good))
+    assert chunks[-1].finish_reason == "stop"
+    jsonschema.validate(json.loads("".join(c.text for c in chunks)), PERSON)
+    assert worker_stats("tiny", TINY_MODEL_ID).engine_steps > steps_before
