@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from serve_app.chat_output import ChoiceParser, OutputParsing, ParsedDelta
 from serve_app.errors import APIError
 from serve_app.protocol import (
     AssistantMessage,
@@ -17,22 +19,32 @@ from serve_app.protocol import (
     Choice,
     ChoiceLogprobs,
     ChunkChoice,
+    CompletionTokensDetails,
     Delta,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
     LogprobEntry,
+    ToolCall,
     TopLogprobEntry,
     Usage,
     or_default,
 )
+from serve_app.reasoning import REASONING_PARSERS
 from serve_app.structured_output import guided_decoding
+from serve_app.tool_parsers import PARSERS, HermesToolParser, ParsedCall, ToolParser, grammar_problem
+from workers.config import ModelConfig
 from workers.protocol import GenerateRequest, GenerationChunk, TokenLogprob, TopLogprob
-from workers.sampling_params import SamplingParams
+from workers.sampling_params import GuidedDecoding, SamplingParams
 
 
 def new_request_id() -> str:
     return f"chatcmpl-{uuid.uuid4().hex}"
 
 
-def to_generate_request(req: ChatCompletionRequest, request_id: str) -> GenerateRequest:
+def to_generate_request(req: ChatCompletionRequest, request_id: str,
+                        model: ModelConfig | None = None) -> GenerateRequest:
+    """`model` (the served model's config) picks the tool-call format and the reasoning tag."""
     unsupported = req.unsupported_field()
     if unsupported is not None:
         raise APIError(400, f"`{unsupported}` is not supported by this server yet", param=unsupported,
@@ -41,13 +53,35 @@ def to_generate_request(req: ChatCompletionRequest, request_id: str) -> Generate
     if rule is not None:
         raise APIError(400, rule[1], param=rule[0])
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    parser = PARSERS[model.tool_call_parser] if model is not None else HermesToolParser
+    tools = req.tools_in_play
+    params = sampling_params(req)  # guided by response_format, if any
+    if (constraint := tool_constraint(req, parser)) is not None:  # never both (cross_field_error)
+        params = dataclasses.replace(params, guided=constraint)
     return GenerateRequest(
         request_id=request_id,
-        params=sampling_params(req),
+        params=params,
         messages=messages,
         max_tokens=req.output_cap,
         chat_template_kwargs=dict(req.chat_template_kwargs or {}),
+        tools=[t.model_dump(exclude_none=True) for t in tools] or None,
+        tool_prompt=parser.tool_prompt(tools),
+        reasoning_start=REASONING_PARSERS[model.reasoning_parser].START if model and model.reasoning_parser else None,
     )
+
+
+def tool_constraint(req: ChatCompletionRequest, parser: type[ToolParser]) -> GuidedDecoding | None:
+    """The grammar that forces calls (`required`, a named function) or binds strict
+    functions' arguments; None when the tools leave the output free."""
+    if not req.guided_tools:
+        return None
+    grammar = parser.grammar(req.tools_in_play, req.effective_tool_choice, req.parallel_tool_calls is not False)
+    if grammar is None:
+        return None
+    if (problem := grammar_problem(grammar)) is not None:
+        raise APIError(400, f"the tools' parameters cannot be enforced by constrained decoding: {problem}",
+                       param="tools", code="unsupported_schema")
+    return GuidedDecoding(kind="lark", spec=grammar)
 
 
 def sampling_params(req: ChatCompletionRequest) -> SamplingParams:
@@ -115,17 +149,58 @@ def prompt_logprob_entries(items: list[dict[int, TopLogprob] | None]) -> list[di
 @dataclass
 class _ChoiceState:
     texts: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    calls: list[ParsedCall] = field(default_factory=list)
+    parser: ChoiceParser | None = None
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+    def add_text(self, chunk: GenerationChunk, parsing: OutputParsing) -> ParsedDelta:
+        """The chunk's text read by the choice's parsers (if any); the last chunk flushes them."""
+        if not parsing.active:
+            self.texts.append(chunk.text)
+            return ParsedDelta(content=chunk.text)
+        if self.parser is None:
+            self.parser = parsing.new_choice(chunk.reasoning_open)
+        parsed = self.parser.push(chunk.text, len(chunk.token_ids))
+        if chunk.finish_reason is not None:
+            parsed = parsed.extend(self.parser.finish())
+        self.texts.append(parsed.content)
+        self.reasoning.append(parsed.reasoning)
+        self.calls.extend(parsed.calls)
+        return parsed
+
+    @property
+    def reasoning_tokens(self) -> int:
+        return self.parser.reasoning_tokens if self.parser else 0
+
+    def message(self, parsing: OutputParsing) -> AssistantMessage:
+        content = "".join(self.texts)
+        message = AssistantMessage(role="assistant", content=content)
+        if parsing.reasoning_parser is not None:
+            message.reasoning_content = "".join(self.reasoning) or None
+        if self.calls:
+            message.content = content if content.strip() else None
+            message.tool_calls = [tool_call(c) for c in self.calls]
+        return message
+
+    def final_reason(self) -> str | None:
+        # OpenAI: a turn that ends (by the model) with calls ends with "tool_calls".
+        return "tool_calls" if self.calls and self.finish_reason == "stop" else self.finish_reason
+
+
+def tool_call(call: ParsedCall) -> ToolCall:
+    return ToolCall(id=call.id, type="function", function=FunctionCall(name=call.name, arguments=call.arguments))
 
 
 class CompletionAccumulator:
     """Folds worker chunks (of all n choices) into one non-streaming `chat.completion`."""
 
-    def __init__(self, request_id: str, model: str, n: int = 1) -> None:
+    def __init__(self, request_id: str, model: str, n: int = 1, parsing: OutputParsing = OutputParsing()) -> None:
         self.request_id = request_id
         self.model = model
+        self.parsing = parsing
         self.created = int(time.time())
         self.choices = [_ChoiceState() for _ in range(n)]
         self.last: GenerationChunk | None = None
@@ -137,7 +212,7 @@ class CompletionAccumulator:
         if chunk.error is not None:
             raise APIError.from_info(chunk.error)
         state = self.choices[chunk.index]
-        state.texts.append(chunk.text)
+        state.add_text(chunk, self.parsing)
         if chunk.logprobs is not None:
             state.logprobs = (state.logprobs or []) + chunk.logprobs
         if chunk.finish_reason is not None:
@@ -154,9 +229,9 @@ class CompletionAccumulator:
         choices = [
             Choice(
                 index=i,
-                message=AssistantMessage(role="assistant", content="".join(s.texts)),
+                message=s.message(self.parsing),
                 logprobs=None if s.logprobs is None else logprob_entries(s.logprobs),
-                finish_reason=s.finish_reason,
+                finish_reason=s.final_reason(),
                 stop_reason=s.stop_reason,
             )
             for i, s in enumerate(self.choices)
@@ -167,7 +242,7 @@ class CompletionAccumulator:
             created=self.created,
             model=self.model,
             choices=choices,
-            usage=usage_of(self.last or GenerationChunk()),
+            usage=usage_of(self.last or GenerationChunk(), self._reasoning_tokens()),
             prefill_time=self.prefill_time,
             decode_time_arr=self.decode_times,
         )
@@ -175,11 +250,22 @@ class CompletionAccumulator:
             response.prompt_logprobs = self.prompt_logprobs
         return response
 
+    def _reasoning_tokens(self) -> int | None:
+        if self.parsing.reasoning_parser is None:
+            return None
+        return sum(s.reasoning_tokens for s in self.choices)
+
 
 class ChunkStreamer:
-    """Turns worker chunks into `chat.completion.chunk` SSE events."""
+    """Turns worker chunks into `chat.completion.chunk` SSE events.
 
-    def __init__(self, request_id: str, req: ChatCompletionRequest, full_text_enabled: bool) -> None:
+    With parsers in play (tools, reasoning), a chunk's text becomes `reasoning_content`,
+    `content` and tool-call deltas: each call as one delta with its index, id, type and
+    name, then one that carries its arguments (calls are emitted once complete, see
+    serve_app/tool_parsers.py)."""
+
+    def __init__(self, request_id: str, req: ChatCompletionRequest, full_text_enabled: bool,
+                 parsing: OutputParsing = OutputParsing()) -> None:
         self.request_id = request_id
         self.model = req.model
         self.created = int(time.time())
@@ -188,6 +274,8 @@ class ChunkStreamer:
         self.continuous_usage = bool(options and options.continuous_usage_stats)
         self.full_text_enabled = full_text_enabled
         self.full_texts = [""] * req.n
+        self.parsing = parsing
+        self.states = [_ChoiceState() for _ in range(req.n)]
 
     async def events(self, first: GenerationChunk, rest: AsyncIterator[GenerationChunk]) -> AsyncIterator[str]:
         """SSE lines; an error after the stream began is a last event before [DONE]."""
@@ -208,42 +296,67 @@ class ChunkStreamer:
         while chunk is not None:
             if chunk.error is not None:
                 raise APIError.from_info(chunk.error)
-            event = self._chunk_event(chunk)
-            if event is not None:
+            for event in self._chunk_events(chunk):
                 yield event
             last = chunk
             chunk = await anext(rest, None)
         if self.include_usage:
             yield self._usage_event(last)
 
-    def _chunk_event(self, chunk: GenerationChunk) -> ChatCompletionChunk | None:
-        self.full_texts[chunk.index] += chunk.text
-        has_news = chunk.text or chunk.finish_reason is not None or chunk.logprobs or chunk.prompt_logprobs
-        if not has_news:
-            return None  # text held back (partial UTF-8 or a possible stop string)
-        content = self.full_texts[chunk.index] if self.full_text_enabled else chunk.text
-        choice = ChunkChoice(
-            index=chunk.index,
-            delta=Delta(role="assistant", content=content),
-            logprobs=None if chunk.logprobs is None else logprob_entries(chunk.logprobs),
-            finish_reason=chunk.finish_reason,
-        )
-        if chunk.finish_reason is not None and chunk.stop_reason is not None:
-            choice.stop_reason = chunk.stop_reason
-        event = self._envelope([choice])
+    def _chunk_events(self, chunk: GenerationChunk) -> list[ChatCompletionChunk]:
+        state = self.states[chunk.index]
+        num_calls = len(state.calls)
+        parsed = state.add_text(chunk, self.parsing)
+        state.finish_reason = chunk.finish_reason
+        self.full_texts[chunk.index] += parsed.content
+        has_news = parsed.content or parsed.reasoning or chunk.logprobs or chunk.prompt_logprobs \
+            or (chunk.finish_reason is not None and not parsed.calls)  # else the finish rides on the last call
+        if not has_news and not parsed.calls:
+            return []  # text held back (partial UTF-8, a possible stop string or tag)
+        content = self.full_texts[chunk.index] if self.full_text_enabled else parsed.content
+        delta = Delta(role="assistant")
+        if content or not parsed.reasoning:
+            delta.content = content
+        if parsed.reasoning:
+            delta.reasoning_content = parsed.reasoning
+        deltas = [delta] if has_news else []
+        for i, call in enumerate(parsed.calls, start=num_calls):
+            deltas += _call_deltas(i, call)
+        events = [self._event(chunk, d) for d in deltas]
+        self._decorate_first(events[0], chunk)
+        self._decorate_last(events[-1], chunk, state)
+        return events
+
+    def _event(self, chunk: GenerationChunk, delta: Delta) -> ChatCompletionChunk:
+        return self._envelope([ChunkChoice(index=chunk.index, delta=delta, logprobs=None, finish_reason=None)])
+
+    def _decorate_first(self, event: ChatCompletionChunk, chunk: GenerationChunk) -> None:
+        if chunk.logprobs is not None:
+            event.choices[0].logprobs = logprob_entries(chunk.logprobs)
+        if chunk.prompt_logprobs is not None:
+            event.prompt_logprobs = prompt_logprob_entries(chunk.prompt_logprobs)
+
+    def _decorate_last(self, event: ChatCompletionChunk, chunk: GenerationChunk, state: _ChoiceState) -> None:
+        choice = event.choices[0]
+        if chunk.finish_reason is not None:
+            choice.finish_reason = state.final_reason()
+            if chunk.stop_reason is not None:
+                choice.stop_reason = chunk.stop_reason
         if self.continuous_usage:
-            event.usage = usage_of(chunk)
+            event.usage = usage_of(chunk, self._reasoning_tokens())
         if self.full_text_enabled and chunk.finish_reason is not None:
             # MindIE's fullTextEnabled stream (seeds 000/001): the last chunk adds full_text and usage.
             event.full_text = self.full_texts[chunk.index]
-            event.usage = usage_of(chunk)
-        if chunk.prompt_logprobs is not None:
-            event.prompt_logprobs = prompt_logprob_entries(chunk.prompt_logprobs)
-        return event
+            event.usage = usage_of(chunk, self._reasoning_tokens())
+
+    def _reasoning_tokens(self) -> int | None:
+        if self.parsing.reasoning_parser is None:
+            return None
+        return sum(s.reasoning_tokens for s in self.states)
 
     def _usage_event(self, last: GenerationChunk) -> ChatCompletionChunk:
         event = self._envelope([])
-        event.usage = usage_of(last)
+        event.usage = usage_of(last, self._reasoning_tokens())
         return event
 
     def _envelope(self, choices: list[ChunkChoice]) -> ChatCompletionChunk:
@@ -252,12 +365,22 @@ class ChunkStreamer:
         )
 
 
-def usage_of(chunk: GenerationChunk) -> Usage:
-    return Usage(
+def _call_deltas(index: int, call: ParsedCall) -> list[Delta]:
+    """OpenAI's shape: the call's id, type and name first, then its arguments to append."""
+    head = DeltaToolCall(index=index, id=call.id, type="function", function=DeltaFunctionCall(name=call.name, arguments=""))
+    body = DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=call.arguments))
+    return [Delta(role="assistant", tool_calls=[head]), Delta(role="assistant", tool_calls=[body])]
+
+
+def usage_of(chunk: GenerationChunk, reasoning_tokens: int | None = None) -> Usage:
+    usage = Usage(
         prompt_tokens=chunk.prompt_tokens,
         completion_tokens=chunk.completion_tokens,
         total_tokens=chunk.prompt_tokens + chunk.completion_tokens,
     )
+    if reasoning_tokens is not None:
+        usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
+    return usage
 
 
 def sse(payload: dict) -> str:

@@ -21,6 +21,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from serve_app.chat_completions import ChunkStreamer, CompletionAccumulator, new_request_id, to_generate_request
+from serve_app.chat_output import OutputParsing
 from serve_app.errors import APIError, validation_error
 from serve_app.protocol import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
 
@@ -32,7 +33,7 @@ class HandleAPI:
         req = _validated(request)
         request_id = new_request_id()
         stream = await self._call_worker(req, request_id)
-        output = CompletionAccumulator(request_id, req.model, req.n)
+        output = CompletionAccumulator(request_id, req.model, req.n, OutputParsing.of(req, self.config.model(req.model)))
         try:
             async for chunk in stream:
                 output.add(chunk)
@@ -44,7 +45,8 @@ class HandleAPI:
         req = _validated(request)
         request_id = new_request_id()
         stream = await self._call_worker(req, request_id)
-        streamer = ChunkStreamer(request_id, req, self.config.server.full_text_enabled)
+        streamer = ChunkStreamer(request_id, req, self.config.server.full_text_enabled,
+                                 OutputParsing.of(req, self.config.model(req.model)))
         try:
             first = await anext(stream)
             async for chunk in streamer.chunks(first, stream):
@@ -54,7 +56,7 @@ class HandleAPI:
 
     async def _call_worker(self, req: ChatCompletionRequest, request_id: str):
         handle = self._worker(req.model)
-        gen_request = await self._with_images(req.model, to_generate_request(req, request_id))
+        gen_request = await self._with_images(req.model, to_generate_request(req, request_id, self.config.model(req.model)))
         return handle.options(stream=True).generate.remote(gen_request)
 
 

@@ -37,6 +37,7 @@ from serve_app.chat_completions import (
     new_request_id,
     to_generate_request,
 )
+from serve_app.chat_output import OutputParsing
 from serve_app.config import AppConfig
 from serve_app.errors import APIError, not_found_model, validation_error
 from serve_app.metrics import (
@@ -206,13 +207,15 @@ class ChatIngress(HandleAPI):
         req = await self._parse(request, ChatCompletionRequest)
         handle = self._worker(req.model)
         request_id = new_request_id()
-        gen_request = to_generate_request(req, request_id)
+        model_config = self.config.model(req.model)
+        gen_request = to_generate_request(req, request_id, model_config)
         await self._check_token_ids(req.model, gen_request.params.logit_bias, "logit_bias")
         gen_request = await self._with_images(req.model, gen_request)
+        parsing = OutputParsing.of(req, model_config)
         if req.stream:
-            output = ChunkStreamer(request_id, req, self.config.server.full_text_enabled)
+            output = ChunkStreamer(request_id, req, self.config.server.full_text_enabled, parsing)
         else:
-            output = CompletionAccumulator(request_id, req.model, req.n)
+            output = CompletionAccumulator(request_id, req.model, req.n, parsing)
         return await self._respond(handle, gen_request, req.stream, output)
 
     @api.post("/lm/v2/chat/completions")

@@ -12,8 +12,18 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+import jsonschema
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    WrapValidator,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WrapValidator, model_validator
 
 
 class RequestModel(BaseModel):
@@ -45,10 +55,76 @@ class ImagePart(RequestModel):
 ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
+class FunctionCallIn(RequestModel):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCallIn(RequestModel):
+    """A call the assistant made earlier in the conversation (seed 001, request sample 2)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(RequestModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_calls, ... reach the chat template
+    model_config = ConfigDict(extra="allow")  # name, ... reach the chat template
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields_match_role(self) -> "ChatMessage":
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
+
+
+# ------------------------------------------------------------------------------- tools
+
+_FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
+
+
+class FunctionDefinition(RequestModel):
+    name: str = Field(pattern=_FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _valid_json_schema(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
+        if schema is not None:
+            try:
+                jsonschema.Draft202012Validator.check_schema(schema)
+            except jsonschema.SchemaError as exc:
+                raise ValueError(f"not a valid JSON schema: {exc.message}") from None
+        return schema
+
+    @property
+    def arguments_schema(self) -> dict[str, Any]:
+        return self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
+
+
+class Tool(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class StreamOptions(RequestModel):
@@ -102,10 +178,8 @@ ResponseFormat = Annotated[
 
 # Fields that change what the model outputs and are not implemented yet: a request
 # that sets one to a non-neutral value gets a 400 instead of a silently different answer.
-UNSUPPORTED_UNLESS_NEUTRAL: dict[str, Any] = {
-    "tools": None,
-    "tool_choice": None,
-}
+# None at the moment: tools, tool_choice and response_format are all honoured now.
+UNSUPPORTED_UNLESS_NEUTRAL: dict[str, Any] = {}
 
 MAX_STOP_STRINGS = 256
 MAX_LOGPROBS = 20
@@ -163,9 +237,9 @@ class ChatCompletionRequest(RequestModel):
 
     response_format: ResponseFormat = None
 
-    # Known but not honoured yet (see UNSUPPORTED_UNLESS_NEUTRAL).
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without
+    parallel_tool_calls: bool | None = None  # None: true
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> "ChatCompletionRequest":
@@ -175,6 +249,8 @@ class ChatCompletionRequest(RequestModel):
 
     def cross_field_error(self) -> tuple[str, str] | None:
         """(param, message) for rules between fields that name one field, else None."""
+        if (tool_rule := self._tool_error()) is not None:
+            return tool_rule
         if self.use_beam_search:
             return beam_search_error(self)
         if self.best_of is not None:
@@ -194,6 +270,41 @@ class ChatCompletionRequest(RequestModel):
             if not -100.0 <= bias <= 100.0:
                 return "logit_bias", f"logit_bias values must be in [-100, 100], got {bias} for token {key}"
         return None
+
+    def _tool_error(self) -> tuple[str, str] | None:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) < len(names):
+            return "tools", "function names in tools must be unique"
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not names:
+            return "tool_choice", "tool_choice needs tools"
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            return "tool_choice", f"tool_choice names {choice.function.name!r}, which is not among the tools {names}"
+        if self.guided_tools and self.use_beam_search:
+            return "tool_choice", "forced or strict tool calls are not available with beam search"
+        if self.guided_tools and self.response_format is not None and self.response_format.type != "text":
+            # One grammar a request: the calls' format or the answer's, not both.
+            return "response_format", "response_format cannot be combined with forced or strict tool calls"
+        return None
+
+    @property
+    def effective_tool_choice(self) -> Literal["none", "auto", "required"] | NamedToolChoice:
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    @property
+    def tools_in_play(self) -> list[Tool]:
+        """The tools the model is shown and may call (none with tool_choice "none")."""
+        return [] if self.effective_tool_choice == "none" else list(self.tools or [])
+
+    @property
+    def guided_tools(self) -> bool:
+        """Whether the tool calls must be constrained by a grammar."""
+        choice = self.effective_tool_choice
+        return bool(self.tools_in_play) and (
+            choice == "required" or isinstance(choice, NamedToolChoice)
+            or any(t.function.strict for t in self.tools_in_play))
 
 
     def unsupported_field(self) -> str | None:
@@ -247,15 +358,33 @@ class ResponseModel(BaseModel):
         return self.model_dump_json(exclude_unset=True)
 
 
+class CompletionTokensDetails(ResponseModel):
+    reasoning_tokens: int
+
+
 class Usage(ResponseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = None  # set for reasoning models
+
+
+class FunctionCall(ResponseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(ResponseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
 
 
 class AssistantMessage(ResponseModel):
     role: Literal["assistant"]
     content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class TopLogprobEntry(ResponseModel):
@@ -295,9 +424,26 @@ class ChatCompletion(ResponseModel):
     decode_time_arr: list[float] | None = None  # ms per later token (MindIE)
 
 
+class DeltaFunctionCall(ResponseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(ResponseModel):
+    """OpenAI's streamed call: the first delta of a call has index, id, type and name;
+    later ones with the same index append to `function.arguments`."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class Delta(ResponseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChunkChoice(ResponseModel):

@@ -111,3 +111,14 @@ def test_default_yaml_args_parse():
     model = cfg.models[0]
     assert model.device == "cpu"
     assert model.engine.block_size >= 1
+
+
+def test_tool_and_reasoning_parsers_are_typed_per_model():
+    args = good_args()
+    args["models"][0].update(tool_call_parser="llama3_json", reasoning_parser="deepseek_r1")
+    cfg = parse_app_config(args)
+    assert (cfg.model("tiny").tool_call_parser, cfg.model("tiny").reasoning_parser) == ("llama3_json", "deepseek_r1")
+    assert (cfg.model("other").tool_call_parser, cfg.model("other").reasoning_parser) == ("hermes", None)
+    args["models"][1]["tool_call_parser"] = "mistral"
+    with pytest.raises(ConfigError, match="models.1.tool_call_parser"):
+        parse_app_config(args)

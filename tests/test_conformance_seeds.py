@@ -78,6 +78,21 @@ SEED_001_TOOLS_1 = {
     "tools": [_DELIVERY_TOOL], "tool_choice": "auto",
 }
 
+# Request sample 2: the same conversation after the call, with the tool's result.
+SEED_001_TOOLS_2 = {
+    "model": "DeepSeek-R1",
+    "messages": [
+        {"role": "system", "content": "You are a helpful customer support assistant. Use the supplied tools to assist the user."},
+        {"role": "user", "content": "Hi, can you tell me the delivery date for my order? my order id is 12345."},
+        {"role": "assistant", "tool_calls": [{"function": {"arguments": "{\"order_id\": \"12345\"}",
+                                                           "name": "get_delivery_date"},
+                                              "id": "tool_call_8p2Nk", "type": "function"}]},
+        {"role": "tool", "content": "the delivery date is 2024.09.10.", "tool_call_id": "tool_call_8p2Nk"},
+    ],
+    "stream": False, "repetition_penalty": 1.1, "temperature": 0.9, "top_p": 1, "max_tokens": 1024,
+    "tools": [_DELIVERY_TOOL], "tool_choice": "auto",
+}
+
 SEED_003_MAAS_PYTHON = {
     "model": "DeepSeek-R1",
     "max_tokens": 20,
@@ -185,15 +200,53 @@ def test_seed_004_lm_v2_stream(seed_app):
     assert all(c["usage"] is None for c in chunks)  # no include_usage: usage stays null
 
 
-@pytest.mark.parametrize(("sample", "param"), [(SEED_001_TOOLS_1, "tools"),
-                                              (SEED_001_MULTIMODAL, "messages.0.content.1.image_url")])
-def test_seed_samples_of_the_tools_and_images_issue_are_refused_clearly(seed_app, sample, param):
-    """Tool calling is a later issue, and the seed app serves a text-only model: these samples
-    get a 400 naming the unsupported part (never a silently tool-less or image-less answer).
-    A vision model answers the multimodal sample: tests/test_vision_serve.py."""
-    resp = post(seed_app, "/v1/chat/completions", sample)
+@pytest.mark.parametrize("sample", [SEED_001_TOOLS_1, SEED_001_TOOLS_2], ids=["request-1", "request-2"])
+def test_seed_001_tool_samples(seed_app, sample):
+    """Both multi-turn tool samples are answered in the documented shape (response samples
+    1 and 2). `get_delivery_date` is strict, so under `auto` any call the model writes must
+    match its schema; the tiny random model answers in text or with such a call."""
+    body = dict(sample, max_tokens=24)  # the samples ask for 1024; keep the test short
+    resp = post(seed_app, "/v1/chat/completions", body)
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    choice = body["choices"][0]
+    assert body["object"] == "chat.completion" and choice["message"]["role"] == "assistant"
+    assert choice["finish_reason"] in ("stop", "length", "tool_calls")
+    for call in choice["message"].get("tool_calls") or []:
+        assert call["type"] == "function" and call["function"]["name"] == "get_delivery_date"
+        assert set(json.loads(call["function"]["arguments"])) == {"order_id"}
+    if choice["finish_reason"] != "tool_calls":
+        assert isinstance(choice["message"]["content"], str)
+    assert body["usage"]["completion_tokens"] <= 24
+
+
+def test_seed_001_tool_sample_1_with_a_forced_call(seed_app):
+    """Sample 1 with `tool_choice` naming the function: the grammar forces the call. Its
+    `order_id` is an unbounded string, which the random model may not close within the
+    cap: then the answer is cut (`length`) inside the forced call, returned as content."""
+    body = dict(SEED_001_TOOLS_1, max_tokens=120, seed=0,
+                tool_choice={"type": "function", "function": {"name": "get_delivery_date"}})
+    resp = post(seed_app, "/v1/chat/completions", body)
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    if choice["finish_reason"] == "length":
+        assert choice["message"]["content"].startswith(
+            '<tool_call>\n{"name": "get_delivery_date", "arguments": {"order_id": "')
+        return
+    assert choice["finish_reason"] == "tool_calls"
+    [call] = choice["message"]["tool_calls"]
+    assert call["id"].startswith("call_") and call["type"] == "function"
+    assert call["function"]["name"] == "get_delivery_date"
+    assert isinstance(json.loads(call["function"]["arguments"])["order_id"], str)
+
+
+def test_seed_001_multimodal_sample_is_refused_by_a_text_only_model(seed_app):
+    """The seed app serves a text-only model: the multimodal sample gets a 400 naming the
+    image part (never a silently image-less answer). A vision model answers it:
+    tests/test_vision_serve.py."""
+    resp = post(seed_app, "/v1/chat/completions", SEED_001_MULTIMODAL)
     assert resp.status_code == 400
-    assert resp.json()["error"]["param"] == param
+    assert resp.json()["error"]["param"] == "messages.0.content.1.image_url"
 
 
 def test_full_text_enabled_stream_matches_seed_000_shape():

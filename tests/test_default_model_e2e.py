@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 
@@ -47,3 +49,53 @@ def test_default_model_answers(default_app):
     )
     streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert streamed == text
+
+
+DELIVERY_TOOL = {  # seed 001, request samples 1 and 2
+    "type": "function",
+    "function": {
+        "name": "get_delivery_date",
+        "strict": True,
+        "description": "Get the delivery date for a customer's order. Call this whenever you need to know the "
+                       "delivery date, for example when a customer asks 'Where is my package'",
+        "parameters": {
+            "type": "object",
+            "properties": {"order_id": {"type": "string", "description": "The customer's order ID."}},
+            "required": ["order_id"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.slow
+def test_seed_001_multi_turn_tool_flow(default_app):
+    """Turn 1 forces get_delivery_date (the grammar guarantees a valid call); turn 2 sends
+    the tool's result back, as request sample 2 does, and gets an answer."""
+    client = openai.OpenAI(base_url=default_app + "/v1", api_key="unused", max_retries=0)
+    messages = [
+        {"role": "system", "content": "You are a helpful customer support assistant. Use the supplied tools to assist the user."},
+        {"role": "user", "content": "Hi, can you tell me the delivery date for my order? my order id is 12345."},
+    ]
+    turn_1 = dict(model=MODEL, messages=messages, tools=[DELIVERY_TOOL], temperature=0, max_tokens=64,
+                  tool_choice={"type": "function", "function": {"name": "get_delivery_date"}})
+    first = client.chat.completions.create(**turn_1)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_delivery_date" and call.id.startswith("call_")
+    arguments = json.loads(call.function.arguments)
+    assert list(arguments) == ["order_id"] and isinstance(arguments["order_id"], str)
+    with client.chat.completions.stream(**turn_1) as stream:  # the SDK assembles the deltas
+        [streamed] = stream.get_final_completion().choices[0].message.tool_calls
+    assert (streamed.function.name, streamed.function.arguments) == (call.function.name, call.function.arguments)
+
+    messages += [
+        {"role": "assistant", "tool_calls": [call.model_dump()]},
+        {"role": "tool", "content": "the delivery date is 2024.09.10.", "tool_call_id": call.id},
+    ]
+    second = client.chat.completions.create(model=MODEL, messages=messages, tools=[DELIVERY_TOOL],
+                                            temperature=0, max_tokens=48)
+    answer = second.choices[0]
+    assert answer.finish_reason in ("stop", "length", "tool_calls")
+    assert answer.message.content or answer.message.tool_calls

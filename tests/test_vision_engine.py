@@ -30,6 +30,12 @@ RED, BLUE = png_bytes((220, 30, 30)), png_bytes((20, 40, 230))
 PARAM = "messages.0.content.1.image_url"
 
 
+def built(prompts, request):
+    """(prompt ids, image inputs) of a request, as the worker builds them."""
+    prompt = prompts.build(request)
+    return prompt.token_ids, prompt.images
+
+
 @pytest.fixture(scope="module")
 def vlm_dir(tmp_path_factory):
     return write_tiny_vlm_dir(tmp_path_factory.mktemp("tiny_vlm"))
@@ -97,7 +103,7 @@ def _record(schedule, batches):
 
 
 def reference(model, prompts: VisionPromptBuilder, request: GenerateRequest, n: int) -> list[int]:
-    ids, images = prompts.build(request)
+    ids, images = built(prompts, request)
     x = torch.tensor([ids])
     kwargs = dict(images.pixel_inputs) if images is not None else {}
     out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n,
@@ -106,7 +112,7 @@ def reference(model, prompts: VisionPromptBuilder, request: GenerateRequest, n: 
 
 
 def test_prompt_expands_one_placeholder_per_feature(prompts, paged_vlm):
-    ids, images = prompts.build(image_request(RED))
+    ids, images = built(prompts, image_request(RED))
     assert images is not None
     assert images.positions.numel() == TOKENS_PER_IMAGE
     assert all(ids[p] == paged_vlm.image_token_id for p in images.positions.tolist())
@@ -119,7 +125,7 @@ def test_image_request_matches_transformers_generate(paged_vlm, reference_vlm, p
     engine = make_engine(paged_vlm.model)
     ids = {}
     for color in (RED, BLUE):
-        prompt, images = prompts.build(image_request(color))
+        prompt, images = built(prompts, image_request(color))
         ids[color] = engine.add_request(prompt, greedy(8), images=images)
     out = run(engine)
     assert out[ids[RED]] == expected[RED]
@@ -131,7 +137,7 @@ def test_image_split_across_prefill_chunks(paged_vlm, reference_vlm, prompts):
     request = image_request(RED, BLUE)
     expected = reference(reference_vlm, prompts, request, 6)
     engine = make_engine(paged_vlm.model, max_num_batched_tokens=5)
-    prompt, images = prompts.build(request)
+    prompt, images = built(prompts, request)
     request_id = engine.add_request(prompt, greedy(6), images=images)
     batches: list = []
     assert run(engine, batches)[request_id] == expected
@@ -140,14 +146,14 @@ def test_image_split_across_prefill_chunks(paged_vlm, reference_vlm, prompts):
 
 def test_image_and_text_requests_in_one_batch(paged_vlm, reference_vlm, prompts):
     text = text_request("Paris is the capital of")
-    text_ids, _ = prompts.build(text)
+    text_ids, _ = built(prompts, text)
     alone_engine = make_engine(paged_vlm.model)
     alone_id = alone_engine.add_request(text_ids, greedy(10))
     alone = run(alone_engine)[alone_id]
     assert alone == reference(reference_vlm, prompts, text, 10)
 
     engine = make_engine(paged_vlm.model)
-    prompt, images = prompts.build(image_request(BLUE))
+    prompt, images = built(prompts, image_request(BLUE))
     image_id = engine.add_request(prompt, greedy(10), images=images)
     text_id = engine.add_request(text_ids, greedy(10))
     batches: list = []
@@ -171,7 +177,7 @@ def test_preempted_image_request_recomputes_the_same_output(paged_vlm, reference
     engine.scheduler.schedule = recording
     ids = []
     for request in requests:
-        prompt, images = prompts.build(request)
+        prompt, images = built(prompts, request)
         ids.append(engine.add_request(prompt, greedy(14), images=images))
     out = run(engine)
     assert preempted, "the pool was meant to force a preemption"
@@ -183,7 +189,7 @@ def test_sequences_carry_a_cache_salt_of_their_images(paged_vlm, prompts):
     engine = make_engine(paged_vlm.model)
     salts = []
     for request in (image_request(RED), image_request(BLUE), text_request("hi")):
-        prompt, images = prompts.build(request)
+        prompt, images = built(prompts, request)
         engine.add_request(prompt, greedy(1), images=images)
         salts.append(engine.scheduler.waiting[-1].cache_salt)
     assert salts[0] and salts[1] and salts[0] != salts[1]
@@ -222,7 +228,7 @@ def test_an_image_within_the_cap_decodes():
 def test_text_only_model_refuses_images(tiny_tokenizer):
     request = image_request(RED)
     with pytest.raises(PromptError) as err:
-        PromptBuilder(tiny_tokenizer).token_ids(request)
+        PromptBuilder(tiny_tokenizer).build(request)
     assert err.value.param == PARAM
 
 
@@ -246,13 +252,13 @@ def test_request_processor_answers_an_image_request(paged_vlm, reference_vlm, pr
     chunks, refused = asyncio.run(main())
     assert all(c.error is None for c in chunks)
     assert [t for c in chunks for t in c.token_ids] == reference(reference_vlm, prompts, image_request(RED), 5)
-    assert chunks[-1].prompt_tokens == len(prompts.build(image_request(RED))[0])
+    assert chunks[-1].prompt_tokens == len(built(prompts, image_request(RED))[0])
     assert refused[0].error.status == 400 and refused[0].error.param == PARAM
 
 
 def test_features_that_miss_placeholders_fail_the_request_only(paged_vlm, prompts):
     engine = make_engine(paged_vlm.model)
-    prompt, images = prompts.build(image_request(RED))
+    prompt, images = built(prompts, image_request(RED))
     short = ImageInputs(images.pixel_inputs, images.positions[:-1], images.salt)
     with pytest.raises(ImageEncodeError, match="feature rows"):
         engine.add_request(prompt, greedy(2), images=short)
@@ -267,7 +273,7 @@ def test_features_that_miss_placeholders_fail_the_request_only(paged_vlm, prompt
 def test_forked_choices_keep_the_images(paged_vlm, prompts):
     """n > 1 and beam siblings fork from the prompt; a preempted sibling recomputes it."""
     engine = make_engine(paged_vlm.model)
-    prompt, images = prompts.build(image_request(RED))
+    prompt, images = built(prompts, image_request(RED))
     engine.add_request(prompt, greedy(1), images=images)
     parent = engine.scheduler.waiting[-1]
     child = parent.fork(99, 1)

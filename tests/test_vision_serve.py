@@ -95,7 +95,8 @@ def expected_text(vlm_dir):
         content = [{"type": "text", "text": text}] + ([{"type": "image", "image_index": 0}] if image else [])
         request = GenerateRequest("r", SamplingParams(), messages=[{"role": "user", "content": content}],
                                   images=(ImageData(image, PARAM),) if image else ())
-        ids, images = prompts.build(request)
+        prompt = prompts.build(request)
+        ids, images = prompt.token_ids, prompt.images
         x = torch.tensor([ids])
         pixels = dict(images.pixel_inputs) if images else {}
         out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n,

@@ -73,6 +73,10 @@ class ModelConfig(_Strict):
     max_image_pixels: int = Field(
         4096 * 4096, ge=1, description="vision models: a larger image (width x height, read from its header) is a 400"
     )
+    tool_call_parser: Literal["hermes", "llama3_json"] = Field(
+        "hermes", description="the format the model writes tool calls in (serve_app/tool_parsers.py)")
+    reasoning_parser: Literal["deepseek_r1"] | None = Field(
+        None, description="split <think>...</think> into reasoning_content on /v1 (serve_app/reasoning.py)")
 
     @model_validator(mode="after")
     def _gpu_needs_gpu(self) -> "ModelConfig":

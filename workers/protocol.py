@@ -21,6 +21,20 @@ class ImageData:
 
 
 @dataclass(frozen=True)
+class ToolPrompt:
+    """How tools and earlier calls are written as text for a model whose chat template
+    ignores tools (workers/prompts.py). Built at the ingress by the model's tool-call
+    parser (serve_app/tool_parsers.py), the one module that knows the call format."""
+
+    system_section: str  # the tool list and the calling convention, added to the system prompt
+    call_open: str  # an earlier call is written call_open + {"name", arguments_key} JSON + call_close
+    call_close: str
+    arguments_key: str
+    result_open: str  # a tool result is a user turn: result_open + content + result_close
+    result_close: str
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
     """Exactly one of `messages` (chat) or `prompt` (plain completion).
 
@@ -35,6 +49,9 @@ class GenerateRequest:
     max_tokens: int | None = None  # None: the rest of the context window
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     images: tuple[ImageData, ...] = ()
+    tools: list[dict[str, Any]] | None = None  # OpenAI tool objects the model may call
+    tool_prompt: ToolPrompt | None = None  # used when the chat template ignores tools
+    reasoning_start: str | None = None  # e.g. "<think>": the worker reports a prompt ending with it
 
 
 @dataclass(frozen=True)
@@ -83,6 +100,7 @@ class GenerationChunk:
     decode_times_ms: list[float] = field(default_factory=list)  # one per later token
     logprobs: list[TokenLogprob] | None = None  # one per token of `text`, when asked
     prompt_logprobs: list[dict[int, TopLogprob] | None] | None = None  # first chunk only, when asked
+    reasoning_open: bool = False  # the prompt ends with `reasoning_start`: the output begins inside it
     error: ErrorInfo | None = None
 
 

@@ -19,8 +19,8 @@ from workers.async_engine import AsyncEngine, EngineDeadError
 from workers.detokenizer import IncrementalDetokenizer
 from workers.engine import CapacityError, TokenEvent
 from workers.guided import GuidedDecodingError
-from workers.multimodal import ImageEncodeError, ImageInputs
-from workers.prompts import PromptBuilder, PromptError
+from workers.multimodal import ImageEncodeError
+from workers.prompts import Prompt, PromptBuilder, PromptError
 from workers.protocol import ErrorInfo, GenerateRequest, GenerationChunk, TokenLogprob, TopLogprob
 from workers.sampling_params import SamplingParams
 from workers.sequence import FinishReason
@@ -57,11 +57,12 @@ class RequestProcessor:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:
         arrival = time.perf_counter()
         try:
-            prompt_ids, images = await self._prompt(request)
+            prompt = await self._prompt(request)
+            prompt_ids = prompt.token_ids
             params = self._resolve_params(request, len(prompt_ids))
             # Compiling a grammar can take milliseconds: neither the loop nor the engine waits.
             guide = await asyncio.to_thread(self.engine.engine.compile_guide, params) if params.guided else None
-            stream = self.engine.add_request(prompt_ids, params, guide, images=images)
+            stream = self.engine.add_request(prompt_ids, params, guide, images=prompt.images)
         except PromptError as exc:
             yield GenerationChunk(error=ErrorInfo(400, str(exc), param=exc.param))
             return
@@ -77,7 +78,8 @@ class RequestProcessor:
             yield GenerationChunk(error=ErrorInfo(503, str(exc), type="server_error", code="engine_dead"))
             return
 
-        states = [_OutputState(self.tokenizer, prompt_ids, params, arrival) for _ in range(params.n)]
+        reasoning_open = _opens_reasoning(prompt.text, request.reasoning_start)
+        states = [_OutputState(self.tokenizer, prompt_ids, params, arrival, reasoning_open) for _ in range(params.n)]
         usage = _Usage(len(prompt_ids))
         try:
             while not stream.finished:
@@ -98,9 +100,9 @@ class RequestProcessor:
             # Stop string matched, client went away, or an error: free the sequences now.
             self.engine.abort(stream)
 
-    async def _prompt(self, request: GenerateRequest) -> tuple[list[int], ImageInputs | None]:
+    async def _prompt(self, request: GenerateRequest) -> Prompt:
         if self.vision is None:
-            return self.prompts.token_ids(request), None
+            return self.prompts.build(request)
         if not request.images:
             return self.vision.build(request)
         # Decoding and preparing pixels takes milliseconds per image: off the event loop,
@@ -154,6 +156,12 @@ class RequestProcessor:
         return dataclasses.replace(request.params, max_tokens=max_tokens)
 
 
+def _opens_reasoning(prompt_text: str | None, start_tag: str | None) -> bool:
+    """A template that ends the generation prompt with the reasoning tag (e.g. `<think>\n`)
+    makes the output start inside the reasoning; only the rendered prompt shows it."""
+    return bool(prompt_text and start_tag and prompt_text.rstrip().endswith(start_tag))
+
+
 @dataclass
 class _Usage:
     prompt_tokens: int
@@ -163,8 +171,10 @@ class _Usage:
 class _OutputState:
     """Detokenizer, stop matcher, timings and logprobs of one choice of a request."""
 
-    def __init__(self, tokenizer, prompt_ids: list[int], params: SamplingParams, arrival: float) -> None:
+    def __init__(self, tokenizer, prompt_ids: list[int], params: SamplingParams, arrival: float,
+                 reasoning_open: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.reasoning_open = reasoning_open
         self.params = params
         self.prompt_ids = prompt_ids
         self.num_tokens = 0
@@ -174,7 +184,7 @@ class _OutputState:
         self.finished = False
 
     def consume(self, events: list[TokenEvent], usage: _Usage) -> GenerationChunk:
-        chunk = GenerationChunk(prompt_tokens=usage.prompt_tokens)
+        chunk = GenerationChunk(prompt_tokens=usage.prompt_tokens, reasoning_open=self.reasoning_open)
         if self.params.logprobs is not None:
             chunk.logprobs = []
         texts: list[str] = []

@@ -16,7 +16,7 @@ from typing import Any
 from PIL import Image, UnidentifiedImageError
 
 from workers.multimodal import ImageInputs
-from workers.prompts import PromptBuilder, PromptError
+from workers.prompts import Prompt, PromptBuilder, PromptError
 from workers.protocol import GenerateRequest, ImageData
 
 # Processor outputs that describe the text, not the images.
@@ -49,9 +49,9 @@ class VisionPromptBuilder:
         self.template = getattr(processor, "chat_template", None) or getattr(self.tokenizer, "chat_template", None)
         self.text = PromptBuilder(self.tokenizer)  # plain prompts (/v1/completions)
 
-    def build(self, request: GenerateRequest) -> tuple[list[int], ImageInputs | None]:
+    def build(self, request: GenerateRequest) -> Prompt:
         if request.prompt is not None:
-            return self.text.token_ids(request), None
+            return self.text.build(request)
         if not self.template:
             raise PromptError("this model has no chat template; use /v1/completions", "messages")
         messages = [_as_parts(m) for m in request.messages or []]
@@ -67,10 +67,10 @@ class VisionPromptBuilder:
             raise PromptError(f"the model's processor rejected the messages: {exc}", "messages") from exc
         ids = out["input_ids"][0]
         if not images:
-            return ids.tolist(), None
+            return Prompt(ids.tolist(), text)
         positions = (ids == self.image_token_id).nonzero().flatten()
         pixel_inputs = {k: v for k, v in out.items() if k not in _TEXT_KEYS}
-        return ids.tolist(), ImageInputs(pixel_inputs, positions, _salt(ordered))
+        return Prompt(ids.tolist(), text, ImageInputs(pixel_inputs, positions, _salt(ordered)))
 
 
 def _images_in_order(request: GenerateRequest) -> list[ImageData]:
