@@ -19,6 +19,7 @@ from serve_app.protocol import (
     ChunkChoice,
     Delta,
     LogprobEntry,
+    PromptTokensDetails,
     TopLogprobEntry,
     Usage,
     or_default,
@@ -251,11 +252,14 @@ class ChunkStreamer:
 
 
 def usage_of(chunk: GenerationChunk) -> Usage:
-    return Usage(
+    usage = Usage(
         prompt_tokens=chunk.prompt_tokens,
         completion_tokens=chunk.completion_tokens,
         total_tokens=chunk.prompt_tokens + chunk.completion_tokens,
     )
+    if chunk.cached_tokens is not None:
+        usage.prompt_tokens_details = PromptTokensDetails(cached_tokens=chunk.cached_tokens)
+    return usage
 
 
 def sse(payload: dict) -> str:

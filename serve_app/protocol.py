@@ -196,10 +196,15 @@ class ResponseModel(BaseModel):
         return self.model_dump_json(exclude_unset=True)
 
 
+class PromptTokensDetails(ResponseModel):
+    cached_tokens: int
+
+
 class Usage(ResponseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None  # when the worker reports prefix-cache hits
 
 
 class AssistantMessage(ResponseModel):

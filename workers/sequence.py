@@ -51,6 +51,12 @@ class Sequence:
     queue_time: float | None = None  # seconds from arrival to its first scheduled step
     # (token_id, logprob, top [(id, logprob)]) per prompt position after the first.
     prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+    # Prefix cache: mixed into the first block's hash, so equal token ids with different
+    # hidden content (e.g. image placeholders of different images) never share blocks.
+    cache_salt: bytes = b""
+    block_hashes: list[bytes] = field(default_factory=list)  # chain hash of each full block, memoised
+    num_cached_blocks: int = 0  # leading blocks of block_table already offered to the prefix cache
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
@@ -71,11 +77,20 @@ class Sequence:
             max_model_len=self.max_model_len,
             request_id=self.request_id,
             index=index,
+            cache_salt=self.cache_salt,
         )
         child.num_prompt_tokens = self.num_prompt_tokens
         child.num_computed_tokens = self.num_computed_tokens
         child.status = self.status
+        child.block_hashes = list(self.block_hashes)
+        child.num_cached_blocks = self.num_cached_blocks
+        child.num_cached_tokens = self.num_cached_tokens
         return child
+
+    def truncate(self, num_tokens: int, block_size: int) -> None:
+        """Drop tokens past `num_tokens` (undoing a failed step), and the hashes of blocks they completed."""
+        del self.token_ids[num_tokens:]
+        del self.block_hashes[num_tokens // block_size :]
 
     @property
     def needs_fork(self) -> bool:
