@@ -121,7 +121,7 @@ class BlockManager:
 
     # --- allocation ------------------------------------------------------------------
 
-    def blocks_needed(self, seq: Sequence, num_new_tokens: int, prefix: list[int] = ()) -> int:
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int, prefix: list[int] | tuple[int, ...] = ()) -> int:
         """Blocks `seq` must take from the pool so `num_new_tokens` more tokens fit after its
         computed ones (after the cached `prefix` blocks, for a sequence being admitted)."""
         computed = seq.num_computed_tokens + len(prefix) * self.block_size
@@ -131,7 +131,7 @@ class BlockManager:
         idle_prefix = sum(1 for block in prefix if self._refs[block] == 0)
         return needed + idle_prefix + int(self._needs_copy(seq, num_new_tokens))
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix: list[int] = ()) -> bool:
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix: list[int] | tuple[int, ...] = ()) -> bool:
         return self.blocks_needed(seq, num_new_tokens, prefix) <= len(self._free)
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
