@@ -4,6 +4,7 @@ preemption, abort, finish reasons, and the asyncio side (AsyncEngine, RequestPro
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 
@@ -722,3 +723,23 @@ def test_a_failed_step_leaves_the_prefix_cache_consistent(paged_model, tiny_toke
     assert [evs[0].cached_tokens > 0 for evs in again] == [True] * 4
     assert [[e.token_id for e in evs] for evs in again] == expected
     assert engine.blocks.num_used_blocks == 0
+
+
+def test_request_processor_puts_cached_tokens_on_every_chunk_from_the_first(paged_model, tiny_tokenizer):
+    engine = make_engine(paged_model, max_model_len=256)
+    text = "Paris is the capital of France. Berlin is the capital of Germany. Rome is"
+
+    async def body(aengine):
+        processor = RequestProcessor(aengine, tiny_tokenizer)
+        runs = []
+        for params in ({}, {}, {"n": 2, "temperature": 1.0, "seed": 5}):
+            request = _chat_request(text, 4, ignore_eos=True)
+            request = dataclasses.replace(request, params=dataclasses.replace(request.params, **params))
+            runs.append([c async for c in processor.generate(request)])
+        return runs
+
+    first, second, forked = asyncio.run(_with_async_engine(engine, body))
+    prompt_len = len(_template_ids(tiny_tokenizer, text))
+    assert {c.cached_tokens for c in first} == {0}
+    assert {c.cached_tokens for c in second} == {(prompt_len - 1) // 4 * 4}
+    assert {(c.index, c.cached_tokens) for c in forked} == {(0, (prompt_len - 1) // 4 * 4), (1, (prompt_len - 1) // 4 * 4)}
