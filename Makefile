@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test bench clean
+.PHONY: install serve test bench bench-cpu bench-prefix bench-fairness bench-ttft-overhead bench-gpu clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -25,6 +25,22 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m serve_app.bench --url http://127.0.0.1:8000 --concurrency 1 16 32 --num-requests 64 --max-tokens 64
+
+# The benchmarks of docs/BENCHMARKS.md, one command each (they start their own servers).
+bench-cpu: $(STAMP)
+	scripts/bench_cpu_compare.sh 1 16 32 64
+
+bench-prefix: $(STAMP)
+	$(BIN)/python -m workers.bench_engine prefix --prefix-tokens 1000
+
+bench-fairness: $(STAMP)
+	$(BIN)/python -m workers.bench_engine fairness --streams 16 --long-prompt 2000 --budget 256 2048
+
+bench-ttft-overhead: $(STAMP)
+	scripts/bench_ttft_overhead.sh 40
+
+bench-gpu: $(STAMP)
+	mkdir -p bench-results && $(BIN)/python -m workers.bench_gpu --shape 1b 8b --json bench-results/gpu.json
 
 clean:
 	rm -rf $(VENV)

@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
-# CPU benchmark, one command: chatserve (full Serve HTTP path) and, in the same run,
-# `transformers serve --continuous-batching` on the same converted model and load.
-# Usage: scripts/bench_cpu_compare.sh [concurrency levels...]   (default: 1 16 32)
-# Writes bench-results/{chatserve,transformers}.json. Loopback only; bounded loops.
+# CPU benchmark, one command: chatserve (full Serve HTTP path), then in the same run
+# `transformers serve --continuous-batching` on the same converted model and load, then
+# chatserve's engine offline at the same load (no Serve) and the raw model forward at
+# batch 1; ends with a side-by-side table (scripts/bench_summary.py).
+# Usage: scripts/bench_cpu_compare.sh [concurrency levels...]   (default: 1 16 32 64)
+# Env: MAX_TOKENS (64), BIN (.venv/bin), SKIP_CHATSERVE / SKIP_TRANSFORMERS / SKIP_ENGINE=1.
+# Writes bench-results/{chatserve,transformers,engine}.json. Loopback only; bounded loops.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BIN=.venv/bin
-LEVELS=${*:-1 16 32}
+BIN=${BIN:-.venv/bin}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # Ray workers import this checkout
+LEVELS=${*:-1 16 32 64}
 OUT=bench-results
 mkdir -p "$OUT"
 MAX_TOKENS=${MAX_TOKENS:-64}
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; $BIN/ray stop --force >/dev/null 2>&1 || true; }
+trap cleanup EXIT
 
 wait_up() {  # url seconds
   for _ in $(seq "$2"); do curl -sf "$1/health" >/dev/null && return 0; sleep 1; done
@@ -17,26 +24,36 @@ wait_up() {  # url seconds
 }
 
 if [ -z "${SKIP_CHATSERVE:-}" ]; then
-echo "== chatserve (serve run configs/default.yaml)"
-$BIN/serve run configs/default.yaml >"$OUT/chatserve.log" 2>&1 &
-SERVE_PID=$!
-trap 'kill $SERVE_PID 2>/dev/null || true; $BIN/ray stop --force >/dev/null 2>&1 || true' EXIT
-wait_up http://127.0.0.1:8000 300
-$BIN/python -m serve_app.bench --url http://127.0.0.1:8000 --concurrency $LEVELS \
-  --max-tokens "$MAX_TOKENS" --json "$OUT/chatserve.json"
-kill $SERVE_PID; wait $SERVE_PID 2>/dev/null || true
-$BIN/ray stop --force >/dev/null 2>&1 || true
+  echo "== chatserve (serve run configs/default.yaml)"
+  $BIN/serve run configs/default.yaml >"$OUT/chatserve.log" 2>&1 &
+  SERVE_PID=$!; PIDS+=("$SERVE_PID")
+  wait_up http://127.0.0.1:8000 300
+  $BIN/python -m serve_app.bench --url http://127.0.0.1:8000 --concurrency $LEVELS \
+    --max-tokens "$MAX_TOKENS" --json "$OUT/chatserve.json"
+  kill "$SERVE_PID"; wait "$SERVE_PID" 2>/dev/null || true
+  $BIN/ray stop --force >/dev/null 2>&1 || true
 fi
-[ -n "${SKIP_TRANSFORMERS:-}" ] && exit 0
 
-# transformers serve cannot load the GGUF directory itself; it loads our converted copy.
-MODEL_DIR=$($BIN/python -c "from workers.model_loader import prepare_model_dir; print(prepare_model_dir('builtin:smollm2-135m-instruct'))")
-echo "== transformers serve --continuous-batching $MODEL_DIR"
-mkdir -p "$OUT/hf-cache"  # transformers serve lists models from an HF cache dir; give it an empty one
-HF_HUB_OFFLINE=1 HF_HUB_CACHE="$PWD/$OUT/hf-cache" $BIN/transformers serve --continuous-batching --device cpu --port 8001 "$MODEL_DIR" >"$OUT/transformers.log" 2>&1 &
-TF_PID=$!
-trap 'kill $TF_PID 2>/dev/null || true' EXIT
-wait_up http://127.0.0.1:8001 300
-$BIN/python -m serve_app.bench --url http://127.0.0.1:8001 --model "$MODEL_DIR" --concurrency $LEVELS \
-  --max-tokens "$MAX_TOKENS" --no-ignore-eos --json "$OUT/transformers.json"  # it rejects ignore_eos
-kill $TF_PID; wait $TF_PID 2>/dev/null || true
+if [ -z "${SKIP_TRANSFORMERS:-}" ]; then
+  # transformers serve cannot load the GGUF directory itself; it loads our converted copy.
+  MODEL_DIR=$($BIN/python -c "from workers.model_loader import prepare_model_dir; print(prepare_model_dir('builtin:smollm2-135m-instruct'))")
+  echo "== transformers serve --continuous-batching $MODEL_DIR"
+  mkdir -p "$OUT/hf-cache"  # transformers serve lists models from an HF cache dir; give it an empty one
+  HF_HUB_OFFLINE=1 HF_HUB_CACHE="$PWD/$OUT/hf-cache" $BIN/transformers serve --continuous-batching --device cpu \
+    --port 8001 "$MODEL_DIR" >"$OUT/transformers.log" 2>&1 &
+  TF_PID=$!; PIDS+=("$TF_PID")
+  wait_up http://127.0.0.1:8001 300
+  $BIN/python -m serve_app.bench --url http://127.0.0.1:8001 --model "$MODEL_DIR" --concurrency $LEVELS \
+    --max-tokens "$MAX_TOKENS" --no-ignore-eos --json "$OUT/transformers.json"  # it rejects ignore_eos
+  kill "$TF_PID"; wait "$TF_PID" 2>/dev/null || true
+fi
+
+if [ -z "${SKIP_ENGINE:-}" ]; then
+  echo "== chatserve engine offline, same load (no Serve, no HTTP)"
+  $BIN/python -m workers.bench_engine offline --concurrency $LEVELS --max-tokens "$MAX_TOKENS" --json "$OUT/engine.json"
+  echo "== raw model forward, decode at batch 1"
+  $BIN/python -m workers.bench_engine decode --batch 1
+fi
+
+echo "== summary"
+$BIN/python scripts/bench_summary.py "$OUT"

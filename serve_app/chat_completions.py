@@ -25,6 +25,7 @@ from serve_app.protocol import (
     DeltaToolCall,
     FunctionCall,
     LogprobEntry,
+    PromptTokensDetails,
     ToolCall,
     TopLogprobEntry,
     Usage,
@@ -380,6 +381,8 @@ def usage_of(chunk: GenerationChunk, reasoning_tokens: int | None = None) -> Usa
     )
     if reasoning_tokens is not None:
         usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
+    if chunk.cached_tokens is not None:
+        usage.prompt_tokens_details = PromptTokensDetails(cached_tokens=chunk.cached_tokens)
     return usage
 
 

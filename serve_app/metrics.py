@@ -96,6 +96,9 @@ class IngressMetrics:
                              ["model"], registry=r)
         self.kv_usage = Gauge("chatserve_kv_cache_usage_ratio", "KV cache blocks used / total (one worker replica)",
                               ["model"], registry=r)
+        self.prefix_hit = Gauge("chatserve_prefix_cache_hit_ratio",
+                                "Prompt tokens found in the prefix cache / prompt tokens looked up, since the "
+                                "worker replica started", ["model"], registry=r)
 
     # -- requests -------------------------------------------------------------------
 
@@ -137,7 +140,7 @@ class IngressMetrics:
                 self.set_worker_gauges(model, stats)
             else:
                 logger.warning("stats of model %s unavailable: %r", model, stats)
-                for gauge in (self.running, self.waiting, self.kv_usage):
+                for gauge in (self.running, self.waiting, self.kv_usage, self.prefix_hit):
                     try:
                         gauge.remove(model)
                     except KeyError:
@@ -148,6 +151,8 @@ class IngressMetrics:
         self.waiting.labels(model).set(stats.waiting)
         total = stats.kv_blocks_total
         self.kv_usage.labels(model).set(stats.kv_blocks_used / total if total > 0 else 0.0)
+        queried = stats.prefix_cache_query_tokens
+        self.prefix_hit.labels(model).set(stats.prefix_cache_hit_tokens / queried if queried > 0 else 0.0)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -362,11 +362,16 @@ class CompletionTokensDetails(ResponseModel):
     reasoning_tokens: int
 
 
+class PromptTokensDetails(ResponseModel):
+    cached_tokens: int
+
+
 class Usage(ResponseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     completion_tokens_details: CompletionTokensDetails | None = None  # set for reasoning models
+    prompt_tokens_details: PromptTokensDetails | None = None  # when the worker reports prefix-cache hits
 
 
 class FunctionCall(ResponseModel):

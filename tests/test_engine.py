@@ -4,6 +4,7 @@ preemption, abort, finish reasons, and the asyncio side (AsyncEngine, RequestPro
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 
@@ -587,3 +588,158 @@ def test_queue_time_is_reported_once_per_request(paged_model, tiny_tokenizer):
         assert events[rid][0].queue_time is not None and events[rid][0].queue_time >= 0
         assert all(e.queue_time is None for e in events[rid][1:])
     assert events[second][0].queue_time > events[first][0].queue_time  # waited for six steps
+
+
+# --- prefix cache -------------------------------------------------------------------------
+
+
+def count_fed_tokens(engine: LLMEngine) -> list[int]:
+    """Tokens fed to the model, one entry per forward call (a pre-hook on the model)."""
+    fed: list[int] = []
+
+    def hook(module, args, kwargs):
+        fed.append(kwargs["input_ids"].shape[-1])
+
+    engine.runner.model.register_forward_pre_hook(hook, with_kwargs=True)
+    return fed
+
+
+def shared_prefix_prompts(tiny_tokenizer) -> tuple[list[int], list[list[int]]]:
+    system = tiny_tokenizer("You are a helpful assistant. " * 4)["input_ids"]
+    questions = ["Paris is the capital of", "def add(a, b):", "The quick brown fox", "Hello! How can I"]
+    return system, [system + tiny_tokenizer(q)["input_ids"] for q in questions]
+
+
+def run_in_waves(engine: LLMEngine, waves: list[list[tuple[list[int], SamplingParams]]]) -> list[list]:
+    """Each wave is added after the previous one finished (so later waves can hit the cache)."""
+    out = []
+    for wave in waves:
+        ids = [engine.add_request(p, params) for p, params in wave]
+        events = run_to_completion(engine)
+        out.extend(events[i] for i in ids)
+    return out
+
+
+def test_outputs_identical_with_prefix_cache_on_and_off(paged_model, tiny_tokenizer):
+    system, prompts = shared_prefix_prompts(tiny_tokenizer)
+    whole_blocks = prompts[2][: len(prompts[2]) // 4 * 4]  # a prompt that ends on a block boundary
+    seeded_n = SamplingParams(max_tokens=8, temperature=1.0, seed=3, n=3, ignore_eos=True)
+    waves = [
+        [(prompts[0], greedy(8)), (whole_blocks, greedy(8))],
+        [(prompts[1], greedy(8)), (prompts[2], seeded_n)],  # n > 1 forks after a cache hit
+        [(prompts[0], greedy(8)), (whole_blocks, greedy(8)), (prompts[3], greedy(8, logprobs=2)),
+         (prompts[1], greedy(8, prompt_logprobs=2))],
+    ]
+    results = {}
+    for enabled in (False, True):
+        engine = make_engine(paged_model, num_blocks=128, enable_prefix_caching=enabled)
+        results[enabled] = run_in_waves(engine, waves)
+        assert engine.blocks.num_used_blocks == 0
+    for off, on in zip(results[False], results[True]):
+        assert [(e.index, e.token_id) for e in off] == [(e.index, e.token_id) for e in on]
+        assert [e.logprob for e in off] == pytest.approx([e.logprob for e in on], abs=1e-4)
+        assert off[0].cached_tokens == 0
+    cached = [evs[0].cached_tokens for evs in results[True]]
+    shared = len(system) // 4 * 4
+    assert cached[:2] == [0, 0]
+    assert cached[2] >= shared and cached[3] >= shared  # the shared system prompt, whole blocks
+    assert cached[4] == (len(prompts[0]) - 1) // 4 * 4  # the same prompt again: all its full blocks
+    assert cached[5] == len(whole_blocks) - 4  # ... but the last token is always computed
+    assert cached[6] >= shared
+    assert cached[7] == 0  # prompt_logprobs skips the cache
+    prompt_lp = {on: results[on][7][0].prompt_logprobs for on in (False, True)}
+    assert len(prompt_lp[True]) == len(prompts[1]) - 1
+    assert [t for t, *_ in prompt_lp[True]] == [t for t, *_ in prompt_lp[False]]
+
+
+def test_second_request_with_shared_prefix_feeds_fewer_tokens(paged_model, tiny_tokenizer):
+    system, prompts = shared_prefix_prompts(tiny_tokenizer)
+    fed_per_request = {}
+    for enabled in (False, True):
+        engine = make_engine(paged_model, num_blocks=128, enable_prefix_caching=enabled)
+        run_in_waves(engine, [[(prompts[0], greedy(1))]])
+        fed = count_fed_tokens(engine)
+        (events,) = run_in_waves(engine, [[(prompts[1], greedy(1))]])
+        fed_per_request[enabled] = sum(fed)
+        assert events[0].cached_tokens == (len(system) // 4 * 4 if enabled else 0)
+    assert fed_per_request[False] == len(prompts[1])
+    assert fed_per_request[True] == len(prompts[1]) - len(system) // 4 * 4
+
+
+def test_preemption_resumes_from_the_cache_with_identical_greedy_output(tiny_model, paged_model, prompts):
+    max_tokens = 12
+    longest = max(len(p) for p in prompts) + max_tokens
+    engine = make_engine(paged_model, num_blocks=-(-longest // 4) + 2, block_size=4, max_num_batched_tokens=16)
+    resumed_at: list[int] = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        batch = schedule()
+        resumed_at.extend(c.seq.num_computed_tokens for c in batch.prefills if c.seq.num_output_tokens > 0)
+        return batch
+
+    engine.scheduler.schedule = recording_schedule
+    ids = [engine.add_request(p, greedy(max_tokens)) for p in prompts]
+    events = run_to_completion(engine)
+    assert resumed_at and max(resumed_at) > 0, "a preempted sequence should resume from its cached blocks"
+    for rid, prompt in zip(ids, prompts):
+        assert [e.token_id for e in events[rid]] == reference_greedy(tiny_model, prompt, max_tokens)
+    assert engine.blocks.num_used_blocks == 0
+
+
+def test_beam_search_with_a_cached_prefix_matches_no_cache(paged_model, tiny_tokenizer):
+    _, prompts = shared_prefix_prompts(tiny_tokenizer)
+    beams = SamplingParams(max_tokens=6, n=2, use_beam_search=True, best_of=3, ignore_eos=True, temperature=0.0)
+    results = {}
+    for enabled in (False, True):
+        engine = make_engine(paged_model, num_blocks=128, enable_prefix_caching=enabled)
+        results[enabled] = run_in_waves(engine, [[(prompts[0], greedy(4))], [(prompts[2], beams)]])[1]
+    assert [e.beam_token_ids for e in results[True]] == [e.beam_token_ids for e in results[False]]
+    assert results[True][0].cached_tokens > 0
+
+
+def test_a_failed_step_leaves_the_prefix_cache_consistent(paged_model, tiny_tokenizer):
+    """Blocks are registered only after the forward pass wrote them: after a step fails and
+    is re-run request by request, later requests that hit those blocks get the clean output."""
+    _, prompts = shared_prefix_prompts(tiny_tokenizer)
+    clean = make_engine(paged_model, num_blocks=128, enable_prefix_caching=False)
+    expected = [[e.token_id for e in evs] for evs in run_in_waves(clean, [[(p, greedy(6)) for p in prompts]])]
+
+    engine = make_engine(paged_model, num_blocks=128)
+    forward = engine.runner.forward
+
+    def poisoned_forward(decodes, prefills):  # fails before any K/V is written
+        if any(c.seq.params.seed is not None for c in decodes + prefills):
+            raise RuntimeError("injected model failure")
+        return forward(decodes, prefills)
+
+    engine.runner.forward = poisoned_forward
+    good = [engine.add_request(p, greedy(6)) for p in prompts[:2]]
+    bad = engine.add_request(prompts[2], SamplingParams(max_tokens=6, temperature=1.0, seed=1))
+    events = run_to_completion(engine)
+    assert events[bad][0].error is not None
+    assert [[e.token_id for e in events[r]] for r in good] == expected[:2]
+    again = run_in_waves(engine, [[(p, greedy(6)) for p in prompts]])
+    assert [evs[0].cached_tokens > 0 for evs in again] == [True] * 4
+    assert [[e.token_id for e in evs] for evs in again] == expected
+    assert engine.blocks.num_used_blocks == 0
+
+
+def test_request_processor_puts_cached_tokens_on_every_chunk_from_the_first(paged_model, tiny_tokenizer):
+    engine = make_engine(paged_model, max_model_len=256)
+    text = "Paris is the capital of France. Berlin is the capital of Germany. Rome is"
+
+    async def body(aengine):
+        processor = RequestProcessor(aengine, tiny_tokenizer)
+        runs = []
+        for params in ({}, {}, {"n": 2, "temperature": 1.0, "seed": 5}):
+            request = _chat_request(text, 4, ignore_eos=True)
+            request = dataclasses.replace(request, params=dataclasses.replace(request.params, **params))
+            runs.append([c async for c in processor.generate(request)])
+        return runs
+
+    first, second, forked = asyncio.run(_with_async_engine(engine, body))
+    prompt_len = len(_template_ids(tiny_tokenizer, text))
+    assert {c.cached_tokens for c in first} == {0}
+    assert {c.cached_tokens for c in second} == {(prompt_len - 1) // 4 * 4}
+    assert {(c.index, c.cached_tokens) for c in forked} == {(0, (prompt_len - 1) // 4 * 4), (1, (prompt_len - 1) // 4 * 4)}

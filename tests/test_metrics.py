@@ -213,7 +213,9 @@ def test_errors_and_unknown_models_get_an_empty_model_label(caplog):
 def test_kv_usage_gauge():
     metrics = IngressMetrics([TINY_MODEL_ID])
     metrics.set_worker_gauges(TINY_MODEL_ID, WorkerStats(active_requests=2, waiting=1, running=1,
-                                                         kv_blocks_used=3, kv_blocks_total=12, engine_steps=5))
+                                                         kv_blocks_used=3, kv_blocks_total=12, engine_steps=5,
+                                                         prefix_cache_query_tokens=200, prefix_cache_hit_tokens=50))
     text = metrics.exposition().decode()
     assert 'chatserve_kv_cache_usage_ratio{model="tiny-llama"} 0.25' in text
+    assert 'chatserve_prefix_cache_hit_ratio{model="tiny-llama"} 0.25' in text
     assert 'chatserve_waiting_sequences{model="tiny-llama"} 1.0' in text

@@ -254,3 +254,70 @@ def test_finished_sequence_releases_blocks():
     step(sched)
     assert a.finish_reason is FinishReason.LENGTH
     assert sched.blocks.num_used_blocks == 0 and sched.running == []
+
+
+# --- with the prefix cache ---------------------------------------------------------------
+
+
+def distinct_seq(seq_id: int, tokens: list[int], max_tokens: int = 2) -> Sequence:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return Sequence(seq_id, list(tokens), params, frozenset(), 10_000)
+
+
+def run_all(sched: Scheduler, limit: int = 500) -> list[ScheduledBatch]:
+    batches = []
+    while sched.has_work():
+        batches.append(step(sched))
+        assert len(batches) < limit
+    return batches
+
+
+def test_cached_prefix_is_skipped_and_costs_no_budget():
+    sched = make_scheduler(block_size=4, max_num_batched_tokens=4)
+    shared = list(range(200, 216))  # 4 full blocks
+    first = distinct_seq(0, shared + [1, 2, 3])
+    sched.add(first)
+    run_all(sched)
+    second = distinct_seq(1, shared + [7, 8, 9, 10, 11, 12])
+    sched.add(second)
+    batch = sched.schedule()
+    (chunk,) = batch.prefills
+    assert chunk.seq is second and chunk.num_tokens == 4  # the budget, spent after the cached 16
+    assert second.num_computed_tokens == 16 and second.num_cached_tokens == 16
+    sched.complete_step(batch, [])
+    batch = step(sched)
+    assert [(c.seq, c.num_tokens, c.samples) for c in batch.prefills] == [(second, 2, True)]
+    run_all(sched)
+    assert second.output_token_ids == [NEXT_TOKEN] * 2
+    assert sched.blocks.num_used_blocks == 0
+
+
+def test_prefix_hit_admission_counts_cached_blocks_as_available():
+    # 6 blocks: the first request's 5 blocks stay cached after it finishes; the second one
+    # reuses 4 of them and needs only 1 more + 1 taken back from the free pool per hit.
+    sched = make_scheduler(num_blocks=6, block_size=4)
+    shared = list(range(300, 316))
+    sched.add(distinct_seq(0, shared + [1, 2, 3], max_tokens=1))
+    run_all(sched)
+    assert sched.blocks.num_free_blocks == 6 and sched.blocks.num_cached_blocks == 4
+    second = distinct_seq(1, shared + list(range(50, 58)), max_tokens=1)  # 24 tokens = 6 blocks
+    sched.add(second)
+    batch = sched.schedule()
+    assert [(c.seq, c.num_tokens) for c in batch.prefills] == [(second, 8)]
+    assert sched.blocks.num_free_blocks == 0
+
+
+def test_preempted_sequence_resumes_from_its_cached_blocks():
+    sched = make_scheduler(num_blocks=6, block_size=2)
+    seqs = [distinct_seq(i, [400 + 10 * i + j for j in range(3)], max_tokens=6) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    resumed_from = []
+    while sched.has_work():
+        batch = sched.schedule()
+        resumed_from += [c.seq.num_computed_tokens for c in batch.prefills if c.seq.num_output_tokens > 0]
+        sched.complete_step(batch, [NEXT_TOKEN] * len(batch.sampling_chunks))
+    assert resumed_from and max(resumed_from) > 0, "a resumed sequence should reuse its cached blocks"
+    for s in seqs:
+        assert s.output_token_ids == [NEXT_TOKEN] * 6
+    assert sched.blocks.num_free_blocks == 6

@@ -213,3 +213,23 @@ def test_client_disconnect_frees_the_sequence(tiny_app):
             break
         time.sleep(0.2)
     assert stats.active_requests == 0 and stats.kv_blocks_used == 0, stats
+
+
+def test_cached_tokens_in_usage_for_a_repeated_prefix(client, tiny_app):
+    """The second request with the same long prefix reports the prefix-cache hit in
+    usage.prompt_tokens_details.cached_tokens (non-streaming, streaming and /v1/completions)."""
+    messages = [{"role": "system", "content": "Unicode: café naïve 你好 世界 — a system prompt for the cache test."},
+                {"role": "user", "content": "Hi"}]
+    kwargs = dict(model=TINY_MODEL_ID, messages=messages, temperature=0, max_tokens=2)
+    first = client.chat.completions.create(**kwargs)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    second = client.chat.completions.create(**kwargs)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < second.usage.prompt_tokens and cached % 4 == 0  # whole blocks of 4
+    stream = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    assert stream[-1].usage.prompt_tokens_details.cached_tokens == cached
+    prompt = "The quick brown fox jumps over the lazy dog. " * 3
+    body = {"model": TINY_MODEL_ID, "prompt": prompt, "max_tokens": 2}
+    httpx.post(tiny_app + "/v1/completions", json=body, timeout=60).raise_for_status()
+    usage = httpx.post(tiny_app + "/v1/completions", json=body, timeout=60).json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] > 0

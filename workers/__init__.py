@@ -3,8 +3,9 @@
 Modules, one concept each:
   sampling_params  what a request asks of the sampler and the stopping rules
   sequence         one request's token state as the engine sees it
-  block_manager    paged KV-cache bookkeeping: blocks and block tables
+  block_manager    paged KV-cache bookkeeping: blocks, block tables, the prefix cache
   kv_cache         the KV tensors themselves, sized from a memory budget
+  kv_sizing        that budget: configured, or what a profiled warm-up leaves on a GPU
   attention        paged attention plugged into transformers' attention interface
   model_runner     packs a scheduled batch, runs the model, returns logits
   sampler          batched temperature / top-k / top-p / seeded sampling
@@ -17,4 +18,5 @@ Modules, one concept each:
   model_loader     model directory / GGUF / built-in default, with a converted cache
   request_processor  one request end to end: prompt -> engine -> text chunks
   deployment       the Ray Serve model-worker deployment
+  bench_engine, bench_gpu  offline benchmarks (no Ray)
 """

@@ -1,19 +1,29 @@
-"""Offline engine benchmark: decode-step time of `LLMEngine.step()` vs the raw HF forward.
+"""Offline engine benchmarks (no Ray, no HTTP): the ceilings the serving path is compared with.
 
-    python -m workers.bench_engine --batch 1 16 32
-    python -m workers.bench_engine --batch 1 16 --guided   # also: every row under a JSON schema
+    python -m workers.bench_engine decode --batch 1 16 32       # decode step: engine vs raw HF forward
+    python -m workers.bench_engine decode --batch 1 16 --guided # also: every row under a JSON schema
+    python -m workers.bench_engine offline --concurrency 1 16 32 64 --max-tokens 64
+    python -m workers.bench_engine prefix --prefix-tokens 1000  # TTFT: first vs second request sharing a prefix
+    python -m workers.bench_engine fairness --streams 16 --long-prompt 2000 --budget 256 2048
 
-No Ray, no HTTP: the ceiling the serving path is compared against. With --guided the
-engine runs the same batch a second time with each request constrained by
-BENCH_SCHEMA (an array of at least 1000 objects, so no row can finish early), and
-reports the time spent building the grammar mask and applying it to the logits.
+`decode --guided` runs the same batch a second time with each request constrained by
+BENCH_SCHEMA (an array of at least 1000 objects, so no row can finish early) and reports
+the time spent building the grammar mask and applying it to the logits.
+
+`offline` runs the load `serve_app.bench` puts on the server (same templated prompt,
+temperature 0.8, ignore_eos, closed loop at C requests, max(8, 2C) requests per level),
+straight into `LLMEngine.step()`, and reports the same figures: output tok/s, TTFT and
+TPOT (median, p99). TTFT here is from `add_request` to the first token's step.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +33,8 @@ from workers.model_loader import load_model
 from workers.sampling_params import GuidedDecoding, SamplingParams
 
 PROMPT = "Write a long story about a robot who learns to paint."
+BENCH_PROMPT = "Write a long story about a robot who learns to paint. Use vivid detail."  # serve_app.bench's
+KV_BYTES = 1024**3
 BENCH_SCHEMA = {
     "type": "array",
     "minItems": 1000,
@@ -38,6 +50,19 @@ BENCH_SCHEMA = {
 }
 
 
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))] if ordered else float("nan")
+
+
+def new_engine(model, tokenizer=None, **limits) -> LLMEngine:
+    return LLMEngine(model, frozenset(), EngineLimits(kv_cache_bytes=KV_BYTES, **limits), torch.device("cpu"),
+                     tokenizer=tokenizer)
+
+
+# --- decode: engine step vs raw HF forward -------------------------------------------------
+
+
 @torch.inference_mode()
 def raw_decode_ms(model, prompt_ids: list[int], batch: int, steps: int) -> float:
     out = model(torch.tensor([prompt_ids] * batch), use_cache=True)
@@ -51,8 +76,7 @@ def raw_decode_ms(model, prompt_ids: list[int], batch: int, steps: int) -> float
 
 def engine_decode_ms(model, prompt_ids: list[int], batch: int, steps: int, tokenizer=None) -> tuple[float, float]:
     """(ms per decode step, ms of it spent on the grammar mask); guided when `tokenizer` is given."""
-    engine = LLMEngine(model, frozenset(), EngineLimits(kv_cache_bytes=512 * 2**20), torch.device("cpu"),
-                       tokenizer=tokenizer)
+    engine = new_engine(model, tokenizer)
     guided = GuidedDecoding("json_schema", json.dumps(BENCH_SCHEMA)) if tokenizer is not None else None
     for _ in range(batch):
         engine.add_request(prompt_ids, SamplingParams(max_tokens=steps + 8, temperature=0.8, ignore_eos=True,
@@ -88,23 +112,11 @@ def _time_masks(engine: LLMEngine) -> list[float]:
     return total
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--source", default="builtin:smollm2-135m-instruct")
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 32])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--guided", action="store_true", help="also time every row under a JSON schema")
-    parser.add_argument("--repeat", type=int, default=1, help="runs per setting, interleaved; the fastest is shown "
-                        "(on a shared machine the minimum is the least disturbed)")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    loaded = load_model(args.source)
+def run_decode(args, loaded) -> None:
     model, prompt_ids = loaded.model, loaded.tokenizer(PROMPT)["input_ids"]
+    tokenizer = loaded.tokenizer if args.guided else None
     for batch in args.batch:
-        runs = [_one_run(model, prompt_ids, batch, args.steps, loaded.tokenizer if args.guided else None)
-                for _ in range(args.repeat)]
+        runs = [_one_decode_run(model, prompt_ids, batch, args.steps, tokenizer) for _ in range(args.repeat)]
         raw, eng = min(r[0] for r in runs), min(r[1] for r in runs)
         line = (f"batch={batch:<3} raw HF {raw:7.1f} ms/step ({batch * 1000 / raw:6.1f} tok/s)   "
                 f"engine {eng:7.1f} ms/step ({batch * 1000 / eng:6.1f} tok/s)")
@@ -114,7 +126,7 @@ def main() -> None:
         print(line, flush=True)
 
 
-def _one_run(model, prompt_ids: list[int], batch: int, steps: int, tokenizer) -> tuple[float, float, float, float]:
+def _one_decode_run(model, prompt_ids: list[int], batch: int, steps: int, tokenizer) -> tuple[float, float, float, float]:
     """(raw HF, engine, guided engine, of which the mask) ms per step; guided only with a tokenizer."""
     model.set_attn_implementation("sdpa")
     raw = raw_decode_ms(model, prompt_ids, batch, steps)
@@ -122,6 +134,172 @@ def _one_run(model, prompt_ids: list[int], batch: int, steps: int, tokenizer) ->
     eng, _ = engine_decode_ms(model, prompt_ids, batch, steps)
     guided, mask = engine_decode_ms(model, prompt_ids, batch, steps, tokenizer) if tokenizer else (0.0, 0.0)
     return raw, eng, guided, mask
+
+
+# --- offline: the serving load, straight into the engine ----------------------------------
+
+
+@dataclass
+class OfflineReport:
+    concurrency: int
+    requests: int
+    wall_s: float
+    output_tok_s: float
+    ttft_median_ms: float
+    ttft_p99_ms: float
+    tpot_median_ms: float
+    tpot_p99_ms: float
+
+    def line(self) -> str:
+        return (f"engine c={self.concurrency:<3} n={self.requests:<4} tok/s={self.output_tok_s:8.1f}  "
+                f"TTFT med={self.ttft_median_ms:8.1f} ms p99={self.ttft_p99_ms:8.1f} ms  "
+                f"TPOT med={self.tpot_median_ms:7.1f} ms p99={self.tpot_p99_ms:7.1f} ms")
+
+
+def offline_level(engine: LLMEngine, prompt_ids: list[int], concurrency: int, num_requests: int,
+                  max_tokens: int) -> OfflineReport:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.8, ignore_eos=True)
+    added: dict[int, float] = {}
+    times: dict[int, list[float]] = {}
+    start = time.perf_counter()
+    for _ in range(min(concurrency, num_requests)):
+        added[engine.add_request(prompt_ids, params)] = time.perf_counter()
+    while engine.has_work():
+        for event in engine.step():
+            times.setdefault(event.request_id, []).append(event.time)
+            if event.request_finished and len(added) < num_requests:  # closed loop, as the HTTP bench
+                added[engine.add_request(prompt_ids, params)] = time.perf_counter()
+    wall = time.perf_counter() - start
+    ttfts = [(times[r][0] - added[r]) * 1000 for r in added]
+    tpots = [(t[-1] - t[0]) / (len(t) - 1) * 1000 for t in times.values() if len(t) > 1]
+    return OfflineReport(concurrency, num_requests, wall, sum(len(t) for t in times.values()) / wall,
+                         statistics.median(ttfts), percentile(ttfts, 99),
+                         statistics.median(tpots) if tpots else float("nan"), percentile(tpots, 99))
+
+
+def run_offline(args, loaded) -> None:
+    messages = [{"role": "user", "content": args.prompt}]
+    prompt_ids = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                      return_dict=False)
+    engine = new_engine(loaded.model)
+    offline_level(engine, prompt_ids, 1, 1, 4)  # warm-up
+    reports = []
+    for concurrency in args.concurrency:
+        n = args.num_requests or max(8, 2 * concurrency)
+        report = offline_level(engine, prompt_ids, concurrency, n, args.max_tokens)
+        print(report.line(), flush=True)
+        reports.append(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"prompt_tokens": len(prompt_ids), "max_tokens": args.max_tokens,
+                       "levels": [dataclasses.asdict(r) for r in reports]}, f, indent=2)
+
+
+# --- prefix: TTFT of a request sharing a long prefix with an earlier one -------------------
+
+
+def ttft_ms(engine: LLMEngine, prompt_ids: list[int]) -> float:
+    """Time from add_request to the first token, alone in the engine; runs it to the end."""
+    start = time.perf_counter()
+    engine.add_request(prompt_ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    first = None
+    while engine.has_work():
+        for event in engine.step():
+            first = first or event.time
+    return (first - start) * 1000
+
+
+def long_text_ids(tokenizer, num_tokens: int, seed: int) -> list[int]:
+    words = [f"item{(seed * 7919 + i * 104729) % 100000}" for i in range(num_tokens)]
+    return tokenizer(" ".join(words))["input_ids"][:num_tokens]
+
+
+def run_prefix(args, loaded) -> None:
+    tok = loaded.tokenizer
+    shared = long_text_ids(tok, args.prefix_tokens, seed=1)
+    first = shared + tok(" Question: what is the first item?")["input_ids"]
+    second = shared + tok(" Question: how many items are there?")["input_ids"]
+    for enabled in (True, False):
+        engine = new_engine(loaded.model, enable_prefix_caching=enabled, max_num_batched_tokens=args.budget)
+        ttft_ms(engine, long_text_ids(tok, args.prefix_tokens, seed=2))  # warm-up, unrelated prefix
+        a, b = ttft_ms(engine, first), ttft_ms(engine, second)
+        print(f"prefix cache {'on ' if enabled else 'off'}: {args.prefix_tokens}-token shared prefix, "
+              f"prompts {len(first)} / {len(second)} tokens: TTFT first {a:8.1f} ms, second {b:8.1f} ms "
+              f"({b / a:6.1%} of first; target < 30% with the cache on)", flush=True)
+
+
+# --- fairness: decode streams while a long prompt arrives ----------------------------------
+
+
+def stream_gaps(engine: LLMEngine, streams: set[int], steps: int, last: dict[int, float]) -> list[float]:
+    """Inter-token gaps (ms) of `streams` over `steps` engine steps."""
+    gaps = []
+    for _ in range(steps):
+        for event in engine.step():
+            if event.request_id in streams:
+                gaps.append((event.time - last[event.request_id]) * 1000)
+                last[event.request_id] = event.time
+    return gaps
+
+
+def fairness_level(loaded, budget: int, num_streams: int, long_tokens: int, steps: int) -> tuple[float, float, float]:
+    engine = new_engine(loaded.model, max_num_batched_tokens=budget, max_model_len=long_tokens + 64)
+    prompt = loaded.tokenizer(PROMPT)["input_ids"]
+    params = SamplingParams(max_tokens=4 * steps + 16, temperature=0.8, ignore_eos=True)
+    streams = {engine.add_request(prompt, params) for _ in range(num_streams)}
+    last: dict[int, float] = {}
+    while len(last) < num_streams:  # everyone prefilled and decoding
+        last.update({e.request_id: e.time for e in engine.step() if e.request_id in streams})
+    quiet = stream_gaps(engine, streams, steps, last)
+    long_prompt = long_text_ids(loaded.tokenizer, long_tokens, seed=3)
+    engine.add_request(long_prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    busy = stream_gaps(engine, streams, steps, last)
+    return percentile(quiet, 99), percentile(busy, 99), max(busy)
+
+
+def run_fairness(args, loaded) -> None:
+    for budget in args.budget:
+        chunks = -(-args.long_prompt // max(1, budget - args.streams))  # the decodes go first
+        steps = max(args.steps, 2 * chunks)
+        quiet, busy, worst = fairness_level(loaded, budget, args.streams, args.long_prompt, steps)
+        print(f"budget {budget:5d} tokens/step, {args.streams} streams, {steps} steps each: inter-token p99 "
+              f"{quiet:7.1f} ms without, {busy:7.1f} ms with a {args.long_prompt}-token prompt arriving "
+              f"(max {worst:7.1f} ms; its prefill in {chunks} chunk(s))", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--source", default="builtin:smollm2-135m-instruct")
+    parser.add_argument("--threads", type=int, default=None)
+    sub = parser.add_subparsers(dest="command", required=True)
+    decode = sub.add_parser("decode", help="decode step: engine vs raw HF forward (the raw model-forward rate)")
+    decode.add_argument("--batch", type=int, nargs="+", default=[1, 16, 32])
+    decode.add_argument("--steps", type=int, default=20)
+    decode.add_argument("--guided", action="store_true", help="also time every row under a JSON schema")
+    decode.add_argument("--repeat", type=int, default=1, help="runs per setting, interleaved; the fastest is shown "
+                        "(on a shared machine the minimum is the least disturbed)")
+    offline = sub.add_parser("offline", help="the HTTP bench's load straight into the engine")
+    offline.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 32, 64])
+    offline.add_argument("--num-requests", type=int, default=None, help="per level; default 2 x concurrency, >= 8")
+    offline.add_argument("--max-tokens", type=int, default=64)
+    offline.add_argument("--prompt", default=BENCH_PROMPT)
+    offline.add_argument("--json", default=None)
+    prefix = sub.add_parser("prefix", help="TTFT of a request sharing a long prefix with an earlier one")
+    prefix.add_argument("--prefix-tokens", type=int, default=1000)
+    prefix.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
+    fair = sub.add_parser("fairness", help="decode inter-token latency while a long prompt is prefilled")
+    fair.add_argument("--streams", type=int, default=16)
+    fair.add_argument("--long-prompt", type=int, default=2000)
+    fair.add_argument("--budget", type=int, nargs="+", default=[256, 2048], help="max_num_batched_tokens values")
+    fair.add_argument("--steps", type=int, default=32, help="steps measured without, then with the long prompt")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = load_model(args.source)
+    if args.command != "decode":
+        loaded.model.set_attn_implementation(register_paged_attention())
+    {"decode": run_decode, "offline": run_offline, "prefix": run_prefix, "fairness": run_fairness}[args.command](
+        args, loaded)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 BUILTIN_DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
+CPU_DEFAULT_KV_CACHE_GIB = 1.0
 
 
 class _Strict(BaseModel):
@@ -15,7 +16,13 @@ class _Strict(BaseModel):
 
 class EngineConfig(_Strict):
     block_size: int = Field(16, ge=1, le=1024)
-    kv_cache_memory_gib: float = Field(1.0, gt=0)
+    kv_cache_memory_gib: float | None = Field(
+        None, gt=0, description="KV pool size; default: 1 GiB on cpu, on cuda sized from free memory after a warm-up"
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="cuda only: share of the GPU's memory for weights, activations and the KV pool"
+    )
+    enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of prompt prefixes seen before")
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
     max_model_len: int | None = Field(None, ge=16, description="default: the model's own window")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -15,6 +16,7 @@ from workers.async_engine import AsyncEngine
 from workers.attention import register_paged_attention
 from workers.config import ModelConfig
 from workers.engine import EngineLimits, LLMEngine
+from workers.kv_sizing import resolve_kv_cache_bytes
 from workers.model_loader import LoadedModel, load_model
 from workers.protocol import GenerateRequest, GenerationChunk, ModelInfo, WorkerStats
 from workers.request_processor import RequestProcessor, Timeouts
@@ -38,15 +40,18 @@ def build_engine(config: ModelConfig) -> tuple[AsyncEngine, LoadedModel]:
     loaded = load_model(config.source, config.device, config.dtype, cache_dir, attn_implementation=attn)
     model_window = getattr(loaded.model.config.get_text_config(), "max_position_embeddings", None) or 2048
     eng = config.engine
+    device = torch.device(config.device)
     limits = EngineLimits(
         block_size=eng.block_size,
-        kv_cache_bytes=int(eng.kv_cache_memory_gib * 1024**3),
         max_num_seqs=eng.max_num_seqs,
         max_num_batched_tokens=eng.max_num_batched_tokens,
         max_model_len=min(eng.max_model_len or model_window, model_window),
+        enable_prefix_caching=eng.enable_prefix_caching,
     )
+    kv_bytes = resolve_kv_cache_bytes(eng, device, loaded.model, limits)
+    limits = dataclasses.replace(limits, kv_cache_bytes=kv_bytes)
     eos = _eos_token_ids(loaded)
-    engine = LLMEngine(loaded.model, eos, limits, torch.device(config.device), tokenizer=loaded.tokenizer)
+    engine = LLMEngine(loaded.model, eos, limits, device, tokenizer=loaded.tokenizer)
     return AsyncEngine(engine), loaded
 
 
@@ -103,6 +108,8 @@ class ModelWorker:
             kv_blocks_used=core.blocks.num_used_blocks,
             kv_blocks_total=core.blocks.num_blocks,
             engine_steps=self.engine.steps,
+            prefix_cache_query_tokens=core.blocks.query_tokens,
+            prefix_cache_hit_tokens=core.blocks.hit_tokens,
         )
 
     def check_health(self) -> None:

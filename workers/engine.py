@@ -36,6 +36,7 @@ class EngineLimits:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
+    enable_prefix_caching: bool = True
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class TokenEvent:
     request_finished: bool = False  # the request's last event
     error: str | None = None  # the request failed inside a model step (token_id is -1)
     queue_time: float | None = None  # seconds waiting before the first step; on the first event
+    cached_tokens: int | None = None  # prompt tokens found in the prefix cache; on the first event
 
 
 class CapacityError(ValueError):
@@ -85,7 +87,7 @@ class LLMEngine:
                 f"tokens at {shape.bytes_per_token} bytes per token"
             )
         self.kv_cache = PagedKVCache(shape, num_blocks, limits.block_size, device)
-        self.blocks = BlockManager(num_blocks, limits.block_size)
+        self.blocks = BlockManager(num_blocks, limits.block_size, limits.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(limits.max_num_seqs, limits.max_num_batched_tokens), self.blocks
         )
@@ -269,9 +271,9 @@ class LLMEngine:
         self._requests[request_id] = next_live
         if not group.is_done([(s.cum_logprob, s.num_output_tokens) for s in next_live]):
             return []
-        return self._finish_beams(request_id, group)
+        return self._finish_beams(request_id, group, live[0].num_cached_tokens)
 
-    def _finish_beams(self, request_id: int, group: BeamGroup) -> list[TokenEvent]:
+    def _finish_beams(self, request_id: int, group: BeamGroup, cached_tokens: int | None) -> list[TokenEvent]:
         self.abort_request(request_id)  # drops the beams still live and the group
         now = time.perf_counter()
         best = group.best()
@@ -286,6 +288,7 @@ class LLMEngine:
                 logprob=h.cum_logprob,
                 beam_token_ids=h.token_ids,
                 request_finished=i == len(best) - 1,
+                cached_tokens=cached_tokens if i == 0 else None,
             )
             for i, h in enumerate(best)
         ]
@@ -350,6 +353,7 @@ class LLMEngine:
                     prompt_logprobs=list(seq.prompt_logprobs) if first else None,
                     request_finished=reason is not None and seq.request_id not in self._requests,
                     queue_time=seq.queue_time if first_token else None,
+                    cached_tokens=seq.num_cached_tokens if first_token else None,
                 )
             )
         return events
@@ -404,8 +408,10 @@ class _StepSnapshot:
                     engine.scheduler.drop(seq)
             engine._requests[request_id] = before
         for seq, computed, length, cum in self.seqs:
+            # Blocks the failed step registered in the prefix cache stay: they were only
+            # registered after the forward pass wrote them, so their K/V are right.
             seq.num_computed_tokens = computed
-            del seq.token_ids[length:]
+            seq.truncate(length, engine.blocks.block_size)
             seq.cum_logprob = cum
             if seq.guide is not None:
                 seq.guide.truncate(seq.output_token_ids)

@@ -95,6 +95,9 @@ class GenerationChunk:
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     prompt_tokens: int = 0
     completion_tokens: int = 0  # running total
+    # Prompt tokens served from the prefix cache; set from the chunk with the first token
+    # on (None before it, and from a worker that does not report it).
+    cached_tokens: int | None = None
     prefill_time_ms: float | None = None  # on the chunk that carries the first token
     queue_time_ms: float | None = None  # on that chunk too: waiting before the first model step
     decode_times_ms: list[float] = field(default_factory=list)  # one per later token
@@ -122,3 +125,5 @@ class WorkerStats:
     kv_blocks_used: int
     kv_blocks_total: int
     engine_steps: int
+    prefix_cache_query_tokens: int = 0  # counters: prompt tokens looked up in the prefix cache
+    prefix_cache_hit_tokens: int = 0  # ... and found there

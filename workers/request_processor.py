@@ -166,6 +166,7 @@ def _opens_reasoning(prompt_text: str | None, start_tag: str | None) -> bool:
 class _Usage:
     prompt_tokens: int
     completion_tokens: int = 0  # all choices
+    cached_tokens: int | None = None  # known once the request's first step ran
 
 
 class _OutputState:
@@ -191,6 +192,9 @@ class _OutputState:
         for event in events:
             if event.queue_time is not None:
                 chunk.queue_time_ms = event.queue_time * 1000.0
+            if event.cached_tokens is not None:
+                usage.cached_tokens = event.cached_tokens
+            chunk.cached_tokens = usage.cached_tokens
             if event.beam_token_ids is not None:
                 return self._whole_beam(chunk, event, usage)
             self._time(chunk, event.time)

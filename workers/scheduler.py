@@ -6,8 +6,10 @@ Policy (one step):
    running sequence is preempted (its blocks freed; it is recomputed later, so its
    output does not change).
 2. Waiting sequences, in arrival order, while the step's token budget, the batch-size
-   cap and the free blocks allow. A prompt longer than the remaining budget is
-   prefilled in chunks over several steps, so decodes keep flowing meanwhile.
+   cap and the free blocks allow. A sequence first takes the longest prefix of full
+   blocks found in the prefix cache (no budget spent on them); a prompt longer than
+   the remaining budget is prefilled in chunks over several steps, so decodes keep
+   flowing meanwhile.
 """
 
 from __future__ import annotations
@@ -123,12 +125,14 @@ class Scheduler:
         for seq in candidates:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            n = min(seq.num_uncomputed_tokens, budget)
-            if not self.blocks.can_allocate(seq, n):
+            prefix = self.blocks.cached_prefix(seq)
+            n = min(seq.num_uncomputed_tokens - len(prefix) * self.blocks.block_size, budget)
+            if not self.blocks.can_allocate(seq, n, prefix):
                 break
             self.waiting.remove(seq)
             if seq.queue_time is None:
                 seq.queue_time = time.perf_counter() - seq.arrival_time
+            self.blocks.use_prefix(seq, prefix)
             batch.block_copies.extend(self.blocks.allocate(seq, n))
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -147,9 +151,10 @@ class Scheduler:
         return self.append_tokens([c.seq for c in batch.sampling_chunks], sampled)
 
     def advance(self, batch: ScheduledBatch) -> None:
-        """The step's tokens are now in the KV cache."""
+        """The step's tokens are now in the KV cache; blocks they filled become cacheable."""
         for chunk in batch.decodes + batch.prefills:
             chunk.seq.num_computed_tokens += chunk.num_tokens
+            self.blocks.cache_computed_blocks(chunk.seq)
 
     def fork(self, parent: Sequence, children: list[Sequence]) -> None:
         """Start sibling choices right after `parent`, sharing its blocks."""

@@ -58,6 +58,9 @@ class Sequence:
     cache_salt: bytes = b""
     image_features: ImageFeatures | None = None  # vision models: by prompt position, fed by the model runner
     guide: GuideState | None = None  # the grammar state when params.guided is set
+    block_hashes: list[bytes] = field(default_factory=list)  # chain hash of each full block, memoised
+    num_cached_blocks: int = 0  # leading blocks of block_table already offered to the prefix cache
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
@@ -85,7 +88,15 @@ class Sequence:
         child.num_computed_tokens = self.num_computed_tokens
         child.status = self.status
         child.guide = self.guide.fork() if self.guide is not None else None
+        child.block_hashes = list(self.block_hashes)
+        child.num_cached_blocks = self.num_cached_blocks
+        child.num_cached_tokens = self.num_cached_tokens
         return child
+
+    def truncate(self, num_tokens: int, block_size: int) -> None:
+        """Drop tokens past `num_tokens` (undoing a failed step), and the hashes of blocks they completed."""
+        del self.token_ids[num_tokens:]
+        del self.block_hashes[num_tokens // block_size :]
 
     @property
     def needs_fork(self) -> bool:
