@@ -46,10 +46,6 @@ def new_request_id() -> str:
 def to_generate_request(req: ChatCompletionRequest, request_id: str,
                         model: ModelConfig | None = None) -> GenerateRequest:
     """`model` (the served model's config) picks the tool-call format and the reasoning tag."""
-    unsupported = req.unsupported_field()
-    if unsupported is not None:
-        raise APIError(400, f"`{unsupported}` is not supported by this server yet", param=unsupported,
-                       code="unsupported_parameter")
     rule = req.cross_field_error()
     if rule is not None:
         raise APIError(400, rule[1], param=rule[0])

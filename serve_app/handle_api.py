@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from serve_app.chat_completions import ChunkStreamer, CompletionAccumulator, new_request_id, to_generate_request
 from serve_app.chat_output import OutputParsing
-from serve_app.errors import APIError, validation_error
+from serve_app.errors import validation_error
 from serve_app.protocol import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
 
 

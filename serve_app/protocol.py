@@ -1,9 +1,7 @@
 """OpenAI chat-completion request and response models.
 
 Unknown request fields are ignored (as vLLM does), so clients written for other
-servers keep working; fields that this server knows but does not honour yet are
-rejected with a 400 naming them (see `UNSUPPORTED_UNLESS_NEUTRAL`), never silently
-dropped. Response models mark every always-present field as required and every extra
+servers keep working; every field this server knows is honoured. Response models mark every always-present field as required and every extra
 (stop_reason, prefill_time, ...) optional: they are dumped with `exclude_unset`, so an
 extra appears only when the server set it.
 """
@@ -176,11 +174,6 @@ ResponseFormat = Annotated[
 ]
 
 
-# Fields that change what the model outputs and are not implemented yet: a request
-# that sets one to a non-neutral value gets a 400 instead of a silently different answer.
-# None at the moment: tools, tool_choice and response_format are all honoured now.
-UNSUPPORTED_UNLESS_NEUTRAL: dict[str, Any] = {}
-
 MAX_STOP_STRINGS = 256
 MAX_LOGPROBS = 20
 
@@ -305,15 +298,6 @@ class ChatCompletionRequest(RequestModel):
         return bool(self.tools_in_play) and (
             choice == "required" or isinstance(choice, NamedToolChoice)
             or any(t.function.strict for t in self.tools_in_play))
-
-
-    def unsupported_field(self) -> str | None:
-        """The first known-but-unimplemented field set to a non-neutral value, if any."""
-        for name, neutral in UNSUPPORTED_UNLESS_NEUTRAL.items():
-            value = getattr(self, name)
-            if value is not None and value != neutral and value not in ([], {}):
-                return name
-        return None
 
     @property
     def output_cap(self) -> int | None:

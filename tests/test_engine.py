@@ -274,6 +274,48 @@ async def _with_async_engine(engine: LLMEngine, body):
         assert not aengine._thread.is_alive()
 
 
+def test_engine_built_on_its_own_thread_steps_there(tiny_model, paged_model, prompts):
+    """The thread that builds the engine (loads the model) is the one that runs its model
+    steps: torch's OpenMP pools are per thread (AsyncEngine.start_on_own_thread)."""
+    threads: dict[str, int] = {}
+
+    def build() -> LLMEngine:
+        threads["build"] = threading.get_ident()
+        return make_engine(paged_model)
+
+    def record_forward(*_):
+        threads.setdefault("forward", threading.get_ident())
+
+    hook = paged_model.register_forward_pre_hook(record_forward)
+
+    async def main():
+        aengine = AsyncEngine.start_on_own_thread(build, asyncio.get_running_loop())
+        try:
+            events = [e async for batch in aengine.add_request(prompts[0], greedy(5)) for e in batch]
+        finally:
+            aengine.stop()
+        return aengine, events
+
+    try:
+        aengine, events = asyncio.run(main())
+    finally:
+        hook.remove()
+    assert [e.token_id for e in events] == reference_greedy(tiny_model, prompts[0], 5)
+    assert threads["forward"] == threads["build"] != threading.get_ident()
+    assert not aengine._thread.is_alive()
+
+
+def test_engine_build_failure_is_raised_to_the_caller():
+    def build() -> LLMEngine:
+        raise ValueError("no such model")
+
+    async def main():
+        AsyncEngine.start_on_own_thread(build, asyncio.get_running_loop())
+
+    with pytest.raises(ValueError, match="no such model"):
+        asyncio.run(main())
+
+
 def test_async_engine_concurrent_streams(tiny_model, paged_model, prompts):
     engine = make_engine(paged_model, max_num_batched_tokens=16)
     max_tokens = 24

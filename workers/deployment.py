@@ -32,8 +32,9 @@ def _set_torch_threads(config: ModelConfig) -> None:
         torch.set_num_threads(threads)
 
 
-def build_engine(config: ModelConfig) -> tuple[AsyncEngine, LoadedModel]:
-    """Load the model and build its engine (not yet started). Shared by Serve and tests."""
+def build_engine(config: ModelConfig) -> tuple[LLMEngine, LoadedModel]:
+    """Load the model and build its engine. Call it on the thread that will run the engine
+    (AsyncEngine.start_on_own_thread says why)."""
     _set_torch_threads(config)
     attn = register_paged_attention()
     cache_dir = Path(config.cache_dir) if config.cache_dir else None
@@ -51,8 +52,7 @@ def build_engine(config: ModelConfig) -> tuple[AsyncEngine, LoadedModel]:
     kv_bytes = resolve_kv_cache_bytes(eng, device, loaded.model, limits)
     limits = dataclasses.replace(limits, kv_cache_bytes=kv_bytes)
     eos = _eos_token_ids(loaded)
-    engine = LLMEngine(loaded.model, eos, limits, device, tokenizer=loaded.tokenizer)
-    return AsyncEngine(engine), loaded
+    return LLMEngine(loaded.model, eos, limits, device, tokenizer=loaded.tokenizer), loaded
 
 
 def _vision_prompts(loaded: LoadedModel, config: ModelConfig) -> VisionPromptBuilder | None:
@@ -76,8 +76,15 @@ def _eos_token_ids(loaded) -> frozenset[int]:
 class ModelWorker:
     def __init__(self, model_config: dict) -> None:
         self.config = ModelConfig.model_validate(model_config)
-        self.engine, loaded = build_engine(self.config)
-        self.engine.start(asyncio.get_running_loop())
+        models: list[LoadedModel] = []
+
+        def build() -> LLMEngine:
+            engine, loaded = build_engine(self.config)
+            models.append(loaded)
+            return engine
+
+        self.engine = AsyncEngine.start_on_own_thread(build, asyncio.get_running_loop())
+        loaded = models[0]
         engine_config = self.config.engine
         timeouts = Timeouts(engine_config.first_token_timeout_s, engine_config.request_timeout_s)
         vision = _vision_prompts(loaded, self.config)
