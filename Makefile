@@ -35,6 +35,7 @@ bench-prefix: $(STAMP)
 
 bench-fairness: $(STAMP)
 	$(BIN)/python -m workers.bench_engine fairness --streams 16 --long-prompt 2000 --budget 256 2048
+	$(BIN)/python -m workers.bench_engine fairness --streams 16 --long-prompt 2000 --budget 1024 --prefill-cap 64
 
 bench-ttft-overhead: $(STAMP)
 	scripts/bench_ttft_overhead.sh 40

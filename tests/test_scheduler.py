@@ -321,3 +321,31 @@ def test_preempted_sequence_resumes_from_its_cached_blocks():
     for s in seqs:
         assert s.output_token_ids == [NEXT_TOKEN] * 6
     assert sched.blocks.num_free_blocks == 6
+
+
+def test_prefill_cap_applies_only_while_others_decode():
+    sched = Scheduler(SchedulerConfig(64, 64, max_prefill_tokens_while_decoding=5), BlockManager(64, 4))
+    first = make_seq(0, 30, max_tokens=20)
+    sched.add(first)
+    alone = step(sched)
+    assert [c.num_tokens for c in alone.prefills] == [30]  # nobody decodes: the whole budget
+    second = make_seq(1, 30)
+    sched.add(second)
+    chunks = []
+    while second.num_computed_tokens < 30:
+        batch = step(sched)
+        assert [c.seq for c in batch.decodes] == [first]  # the decode runs every step
+        chunks.append(sum(c.num_tokens for c in batch.prefills))
+    assert chunks == [5] * 6  # the prompt went in capped chunks beside it
+
+
+def test_prefill_cap_is_shared_by_all_prompts_of_a_step():
+    sched = Scheduler(SchedulerConfig(64, 64, max_prefill_tokens_while_decoding=6), BlockManager(64, 4))
+    sched.add(make_seq(0, 3, max_tokens=20))
+    step(sched)
+    for i in (1, 2, 3):
+        sched.add(make_seq(i, 10))
+    batch = step(sched)
+    assert len(batch.decodes) == 1
+    assert sum(c.num_tokens for c in batch.prefills) == 6
+    assert [c.num_tokens for c in batch.prefills] == [6]  # the oldest prompt first; the others wait

@@ -242,8 +242,10 @@ def stream_gaps(engine: LLMEngine, streams: set[int], steps: int, last: dict[int
     return gaps
 
 
-def fairness_level(loaded, budget: int, num_streams: int, long_tokens: int, steps: int) -> tuple[float, float, float]:
-    engine = new_engine(loaded.model, max_num_batched_tokens=budget, max_model_len=long_tokens + 64)
+def fairness_level(loaded, budget: int, num_streams: int, long_tokens: int, steps: int,
+                   prefill_cap: int | None = None) -> tuple[float, float, float]:
+    engine = new_engine(loaded.model, max_num_batched_tokens=budget, max_model_len=long_tokens + 64,
+                        max_prefill_tokens_while_decoding=prefill_cap)
     prompt = loaded.tokenizer(PROMPT)["input_ids"]
     params = SamplingParams(max_tokens=4 * steps + 16, temperature=0.8, ignore_eos=True)
     streams = {engine.add_request(prompt, params) for _ in range(num_streams)}
@@ -259,10 +261,14 @@ def fairness_level(loaded, budget: int, num_streams: int, long_tokens: int, step
 
 def run_fairness(args, loaded) -> None:
     for budget in args.budget:
-        chunks = -(-args.long_prompt // max(1, budget - args.streams))  # the decodes go first
+        chunk = max(1, budget - args.streams)  # the decodes go first
+        if args.prefill_cap is not None:
+            chunk = min(chunk, args.prefill_cap)
+        chunks = -(-args.long_prompt // chunk)
         steps = max(args.steps, 2 * chunks)
-        quiet, busy, worst = fairness_level(loaded, budget, args.streams, args.long_prompt, steps)
-        print(f"budget {budget:5d} tokens/step, {args.streams} streams, {steps} steps each: inter-token p99 "
+        quiet, busy, worst = fairness_level(loaded, budget, args.streams, args.long_prompt, steps, args.prefill_cap)
+        cap = f", prefill cap {args.prefill_cap}" if args.prefill_cap is not None else ""
+        print(f"budget {budget:5d} tokens/step{cap}, {args.streams} streams, {steps} steps each: inter-token p99 "
               f"{quiet:7.1f} ms without, {busy:7.1f} ms with a {args.long_prompt}-token prompt arriving "
               f"(max {worst:7.1f} ms; its prefill in {chunks} chunk(s))", flush=True)
 
@@ -292,6 +298,8 @@ def main(argv: list[str] | None = None) -> None:
     fair.add_argument("--long-prompt", type=int, default=2000)
     fair.add_argument("--budget", type=int, nargs="+", default=[256, 2048], help="max_num_batched_tokens values")
     fair.add_argument("--steps", type=int, default=32, help="steps measured without, then with the long prompt")
+    fair.add_argument("--prefill-cap", type=int, default=None,
+                      help="max_prefill_tokens_while_decoding (default: none, the whole budget)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

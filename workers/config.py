@@ -25,6 +25,8 @@ class EngineConfig(_Strict):
     enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of prompt prefixes seen before")
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
+    max_prefill_tokens_while_decoding: int | None = Field(
+        None, ge=1, description="prompt tokens a step may take beside running decodes (fairness); default: the budget")
     max_model_len: int | None = Field(None, ge=16, description="default: the model's own window")
     torch_threads: int | None = Field(None, ge=1, description="CPU only; default: all cores")
     first_token_timeout_s: float | None = Field(None, gt=0, description="end a request with no token by then")

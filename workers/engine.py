@@ -37,6 +37,7 @@ class EngineLimits:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
     enable_prefix_caching: bool = True
+    max_prefill_tokens_while_decoding: int | None = None  # see SchedulerConfig
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,8 @@ class LLMEngine:
         self.kv_cache = PagedKVCache(shape, num_blocks, limits.block_size, device)
         self.blocks = BlockManager(num_blocks, limits.block_size, limits.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(limits.max_num_seqs, limits.max_num_batched_tokens), self.blocks
+            SchedulerConfig(limits.max_num_seqs, limits.max_num_batched_tokens,
+                            limits.max_prefill_tokens_while_decoding), self.blocks
         )
         self.runner = ModelRunner(model, self.kv_cache, device)
         self.sampler = Sampler()

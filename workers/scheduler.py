@@ -27,6 +27,10 @@ from workers.sequence import FinishReason, Sequence, SequenceStatus
 class SchedulerConfig:
     max_num_seqs: int = 64  # sequences in one step
     max_num_batched_tokens: int = 2048  # tokens fed to the model in one step
+    # Prompt tokens one step may take while other sequences decode (None: the whole budget).
+    # On a CPU a prompt token costs several times a decode row, so a big chunk beside the
+    # decodes stretches their inter-token gap; alone, a prompt still gets the whole budget.
+    max_prefill_tokens_while_decoding: int | None = None
 
 
 @dataclass
@@ -65,6 +69,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         # While the engine isolates a failing step: schedule this request alone.
         self.only_request: int | None = None
+        self._prefill_left = config.max_num_batched_tokens  # prompt tokens the step being built may still take
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -89,11 +94,29 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
+        self._prefill_left = self._prefill_cap()
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(batch, budget)
         if not batch.preempted:
             self._schedule_waiting(batch, budget)
         return batch
+
+    def _prefill_cap(self) -> int:
+        """Prompt tokens this step may take: the budget, or the cap while anyone decodes."""
+        cap = self.config.max_prefill_tokens_while_decoding
+        if cap is None or not any(s.num_uncomputed_tokens == 1 for s in self.running):
+            return self.config.max_num_batched_tokens
+        return cap
+
+    def _chunk_size(self, uncomputed: int, budget: int) -> int:
+        """Tokens to feed a sequence this step: a prompt chunk (more than one) also fits the prefill cap."""
+        n = min(uncomputed, budget)
+        return min(n, self._prefill_left) if n > 1 else n
+
+    def _take(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
+        batch.add(ScheduledChunk.of(seq, n))
+        if n > 1:
+            self._prefill_left -= n
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         queue = list(self.running)
@@ -101,9 +124,9 @@ class Scheduler:
             seq = queue.pop(0)
             if self.only_request is not None and seq.request_id != self.only_request:
                 continue
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = self._chunk_size(seq.num_uncomputed_tokens, budget)
             if n == 0:
-                continue  # a beam waiting for its siblings' logits (beam search steps together)
+                continue  # a beam waiting for its siblings' logits, or no prefill room left this step
             while not self.blocks.can_allocate(seq, n):
                 victim = queue.pop() if queue else None
                 if victim is None:
@@ -113,7 +136,7 @@ class Scheduler:
                 self._preempt(seq, batch)
                 continue
             batch.block_copies.extend(self.blocks.allocate(seq, n))
-            batch.add(ScheduledChunk.of(seq, n))
+            self._take(batch, seq, n)
             budget -= n
         # Unscheduled sequences (budget ran out) keep their place; running stays oldest-first.
         preempted = {id(s) for s in batch.preempted}
@@ -126,8 +149,8 @@ class Scheduler:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             prefix = self.blocks.cached_prefix(seq)
-            n = min(seq.num_uncomputed_tokens - len(prefix) * self.blocks.block_size, budget)
-            if not self.blocks.can_allocate(seq, n, prefix):
+            n = self._chunk_size(seq.num_uncomputed_tokens - len(prefix) * self.blocks.block_size, budget)
+            if n == 0 or not self.blocks.can_allocate(seq, n, prefix):
                 break
             self.waiting.remove(seq)
             if seq.queue_time is None:
@@ -136,7 +159,7 @@ class Scheduler:
             batch.block_copies.extend(self.blocks.allocate(seq, n))
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            batch.add(ScheduledChunk.of(seq, n))
+            self._take(batch, seq, n)
             budget -= n
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
