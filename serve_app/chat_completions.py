@@ -33,8 +33,9 @@ from serve_app.protocol import (
 )
 from serve_app.reasoning import REASONING_PARSERS
 from serve_app.structured_output import guided_decoding
-from serve_app.tool_parsers import PARSERS, HermesToolParser, ParsedCall, ToolParser, grammar_problem
+from serve_app.tool_parsers import PARSERS, HermesToolParser, ParsedCall, ToolParser
 from workers.config import ModelConfig
+from workers.guided import grammar_error
 from workers.protocol import GenerateRequest, GenerationChunk, TokenLogprob, TopLogprob
 from workers.sampling_params import GuidedDecoding, SamplingParams
 
@@ -75,10 +76,11 @@ def tool_constraint(req: ChatCompletionRequest, parser: type[ToolParser]) -> Gui
     grammar = parser.grammar(req.tools_in_play, req.effective_tool_choice, req.parallel_tool_calls is not False)
     if grammar is None:
         return None
-    if (problem := grammar_problem(grammar)) is not None:
-        raise APIError(400, f"the tools' parameters cannot be enforced by constrained decoding: {problem}",
-                       param="tools", code="unsupported_schema")
-    return GuidedDecoding(kind="lark", spec=grammar)
+    guided = GuidedDecoding(kind="lark", spec=grammar)
+    if (problem := grammar_error(guided)) is not None:  # e.g. a schema with a look-ahead pattern
+        raise APIError(400, f"the tools' parameters cannot be enforced by constrained decoding: "
+                       f"{problem.splitlines()[0]}", param="tools", code="unsupported_schema")
+    return guided
 
 
 def sampling_params(req: ChatCompletionRequest) -> SamplingParams:

@@ -24,7 +24,6 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from llguidance import LLMatcher
 
 from serve_app.protocol import FunctionDefinition, NamedToolChoice, Tool
 from serve_app.tags import held_prefix
@@ -120,13 +119,6 @@ def _relocated(schema: dict[str, Any], location: str, prefix: str) -> tuple[dict
     defs = {prefix + name: fix(sub) for key in ("$defs", "definitions") for name, sub in (schema.get(key) or {}).items()}
     body = fix({k: v for k, v in schema.items() if k not in ("$defs", "definitions")})
     return body, defs
-
-
-def grammar_problem(grammar: str) -> str | None:
-    """Why llguidance cannot run this grammar (e.g. a schema with a look-ahead pattern), or
-    None; needs no tokenizer, so the ingress refuses such a request before any worker."""
-    message = LLMatcher.validate_grammar(LLMatcher.grammar_from_lark(grammar)).strip()
-    return message.splitlines()[0] if message else None
 
 
 def _tool_list(tools: list[Tool]) -> str:

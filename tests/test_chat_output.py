@@ -3,7 +3,6 @@ accumulator and streamer of chat_completions.py), fed worker chunks directly."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 from openai.types.chat import ChatCompletion as SDKCompletion
@@ -12,6 +11,7 @@ from openai.types.chat import ChatCompletionChunk as SDKChunk
 from serve_app.chat_completions import ChunkStreamer, CompletionAccumulator
 from serve_app.chat_output import OutputParsing
 from serve_app.protocol import ChatCompletionRequest
+from tests.sse_events import sse_payloads
 from workers.config import ModelConfig
 from workers.protocol import GenerationChunk
 
@@ -41,17 +41,7 @@ def accumulate(req, model, chunks):
 
 
 def stream(req, model, chunks) -> list[dict]:
-    streamer = ChunkStreamer("r", req, False, OutputParsing.of(req, model))
-
-    async def collect():
-        async def rest():
-            for c in chunks[1:]:
-                yield c
-        return [e async for e in streamer.events(chunks[0], rest())]
-
-    events = asyncio.run(collect())
-    assert events[-1] == "data: [DONE]\n\n"
-    return [json.loads(e[6:]) for e in events[:-1]]
+    return sse_payloads(ChunkStreamer("r", req, False, OutputParsing.of(req, model)), chunks)
 
 
 def test_a_call_written_while_thinking_is_reasoning_not_a_call():

@@ -3,7 +3,6 @@ official `openai` client and raw HTTP against the tiny model."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import httpx
@@ -18,6 +17,7 @@ from serve_app.completions import (
 )
 from serve_app.errors import APIError
 from tests.serve_fixtures import TINY_MODEL_ID
+from tests.sse_events import sse_payloads
 from workers.protocol import ErrorInfo, GenerationChunk, TokenLogprob, TopLogprob
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -129,15 +129,7 @@ def test_stream_interleaves_choices_and_carries_logprobs():
               GenerationChunk(index=1, text="x", logprobs=[_lp("x", -0.4)]),
               GenerationChunk(index=1, text="y", logprobs=[_lp("y", -0.5)], finish_reason="length"),
               GenerationChunk(index=0, text="b", logprobs=[_lp("b", -0.2)], finish_reason="length")]
-
-    async def rest():
-        for chunk in chunks[1:]:
-            yield chunk
-
-    async def collect():
-        return [e async for e in streamer.events(chunks[0], rest())]
-
-    events = [json.loads(e[len("data: "):]) for e in asyncio.run(collect())[:-1]]
+    events = sse_payloads(streamer, chunks)
     got = [(e["choices"][0]["index"], e["choices"][0]["text"], e["choices"][0]["logprobs"]["text_offset"])
            for e in events]
     assert got == [(0, "a", [0]), (1, "x", [0]), (1, "y", [1]), (0, "b", [1])]
@@ -153,23 +145,13 @@ def test_echo_and_stream_shapes():
     body = json.loads(acc.result().dump_json())
     assert body["choices"] == [{"index": 0, "text": PROMPT + " jumps.", "logprobs": None, "finish_reason": "length",
                                 "stop_reason": None}]
-
-    async def rest():
-        for chunk in chunks[1:]:
-            yield chunk
-
-    async def collect(req):
-        return [e async for e in CompletionStreamer("c", req).events(chunks[0], rest())]
-
-    events = asyncio.run(collect(make(echo=True, stream=True, stream_options={"include_usage": True})))
-    assert events[-1] == "data: [DONE]\n\n"
-    payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    streamer = CompletionStreamer("c", make(echo=True, stream=True, stream_options={"include_usage": True}))
+    payloads = sse_payloads(streamer, chunks)
     assert [p["choices"][0]["text"] for p in payloads[:-1]] == [PROMPT, " jumps", "."]
     assert all(p["usage"] is None for p in payloads[:-1])
     assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["completion_tokens"] == 3
 
-    events = asyncio.run(collect(make(stream=True)))
-    payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    payloads = sse_payloads(CompletionStreamer("c", make(stream=True)), chunks)
     assert all("usage" not in p for p in payloads)  # no include_usage: no usage key at all
 
 

@@ -8,7 +8,6 @@ samples of 000_*.txt / 002_*.txt for the fullTextEnabled shape.
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import httpx
@@ -18,6 +17,7 @@ import pytest
 from serve_app.chat_completions import ChunkStreamer
 from serve_app.protocol import ChatCompletionRequest
 from tests.serve_fixtures import tiny_app_args, wait_ready
+from tests.sse_events import sse_payloads
 from tests.tiny_models import write_tiny_model_dir
 from workers.protocol import GenerationChunk
 
@@ -50,7 +50,7 @@ SEED_001_MULTIMODAL = {
     ]}],
 }
 
-_DELIVERY_TOOL = {
+DELIVERY_TOOL = {  # seed 001, request samples 1 and 2 (also used by the default-model e2e test)
     "type": "function",
     "function": {
         "name": "get_delivery_date",
@@ -75,7 +75,7 @@ SEED_001_TOOLS_1 = {
     "stream": False, "presence_penalty": 1.03, "frequency_penalty": 1.0, "repetition_penalty": 1.0,
     "temperature": 0.5, "top_p": 0.95, "top_k": 0, "seed": None, "stop": ["stop1", "stop2"],
     "stop_token_ids": [2], "ignore_eos": False, "max_tokens": 1024,
-    "tools": [_DELIVERY_TOOL], "tool_choice": "auto",
+    "tools": [DELIVERY_TOOL], "tool_choice": "auto",
 }
 
 # Request sample 2: the same conversation after the call, with the tool's result.
@@ -90,7 +90,7 @@ SEED_001_TOOLS_2 = {
         {"role": "tool", "content": "the delivery date is 2024.09.10.", "tool_call_id": "tool_call_8p2Nk"},
     ],
     "stream": False, "repetition_penalty": 1.1, "temperature": 0.9, "top_p": 1, "max_tokens": 1024,
-    "tools": [_DELIVERY_TOOL], "tool_choice": "auto",
+    "tools": [DELIVERY_TOOL], "tool_choice": "auto",
 }
 
 SEED_003_MAAS_PYTHON = {
@@ -258,16 +258,7 @@ def test_full_text_enabled_stream_matches_seed_000_shape():
     pieces = ["Hello", "!", " How", " can", " I", " assist", " you", " today", "?"]
     chunks = [GenerationChunk(text=p, prompt_tokens=31, completion_tokens=i + 1) for i, p in enumerate(pieces)]
     chunks[-1].finish_reason = "length"
-
-    async def collect():
-        async def rest():
-            for c in chunks[1:]:
-                yield c
-        return [e async for e in streamer.events(chunks[0], rest())]
-
-    events = asyncio.run(collect())
-    assert events[-1] == "data: [DONE]\n\n"
-    payloads = [json.loads(e[6:]) for e in events[:-1]]
+    payloads = sse_payloads(streamer, chunks)
     expected = ["Hello", "Hello!", "Hello! How", "Hello! How can", "Hello! How can I", "Hello! How can I assist",
                 "Hello! How can I assist you", "Hello! How can I assist you today", "Hello! How can I assist you today?"]
     assert [p["choices"][0]["delta"]["content"] for p in payloads] == expected

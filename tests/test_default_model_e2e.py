@@ -8,6 +8,7 @@ import openai
 import pytest
 
 from tests.serve_fixtures import wait_ready
+from tests.test_conformance_seeds import DELIVERY_TOOL
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -50,22 +51,6 @@ def test_default_model_answers(default_app):
     streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert streamed == text
 
-
-DELIVERY_TOOL = {  # seed 001, request samples 1 and 2
-    "type": "function",
-    "function": {
-        "name": "get_delivery_date",
-        "strict": True,
-        "description": "Get the delivery date for a customer's order. Call this whenever you need to know the "
-                       "delivery date, for example when a customer asks 'Where is my package'",
-        "parameters": {
-            "type": "object",
-            "properties": {"order_id": {"type": "string", "description": "The customer's order ID."}},
-            "required": ["order_id"],
-            "additionalProperties": False,
-        },
-    },
-}
 
 
 @pytest.mark.slow

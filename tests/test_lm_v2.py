@@ -3,7 +3,6 @@ then its rules, finish reasons and streams over HTTP on the tiny model."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import httpx
@@ -19,6 +18,7 @@ from serve_app.lm_v2 import (
     to_generate_request,
 )
 from tests.serve_fixtures import TINY_MODEL_ID
+from tests.sse_events import sse_lines
 from workers.protocol import ErrorInfo, GenerationChunk
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -115,14 +115,7 @@ def test_reserved_finish_reasons_are_listed():
 
 
 def _events(req: LmV2ChatRequest, chunks: list[GenerationChunk]) -> list[str]:
-    async def rest():
-        for chunk in chunks[1:]:
-            yield chunk
-
-    async def collect():
-        return [e async for e in LmV2Streamer("id-1", req).events(chunks[0], rest())]
-
-    return asyncio.run(collect())
+    return sse_lines(LmV2Streamer("id-1", req), chunks)
 
 
 CHUNKS = [
