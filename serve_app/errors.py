@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from typing import Any
 
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
+from serve_app.unicode_text import lone_surrogate_path
 from workers.protocol import ErrorInfo
 
 # pydantic puts union member names into error locations; they are not request fields.
@@ -39,7 +42,7 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return _ASCIIJSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
     @classmethod
     def from_info(cls, info: ErrorInfo, param_names: Mapping[str, str] | None = None) -> "APIError":
@@ -47,6 +50,24 @@ class APIError(Exception):
         /v1/chat/completions) to the route's own, e.g. `max_tokens` -> `max_completion_tokens`."""
         param = info.param if param_names is None else param_names.get(info.param, info.param)
         return cls(info.status, info.message, info.type, param, info.code)
+
+
+class _ASCIIJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: a message may quote client text, and a lone surrogate
+    in it is a valid JSON escape but cannot be encoded as UTF-8 (Starlette's default)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
+def invalid_unicode(data: Any) -> APIError | None:
+    """A 400 naming the first field whose text holds a lone UTF-16 surrogate (not Unicode:
+    the tokenizer fails on it), or None."""
+    path = lone_surrogate_path(data)
+    if path is None:
+        return None
+    return APIError(400, f"{path or 'body'}: text holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff "
+                    "escape), which is not valid Unicode", param=path or None, code="invalid_unicode")
 
 
 def validation_error(exc: ValidationError) -> APIError:

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from serve_app.chat_completions import ChunkStreamer, CompletionAccumulator, new_request_id, to_generate_request
 from serve_app.chat_output import OutputParsing
-from serve_app.errors import validation_error
+from serve_app.errors import invalid_unicode, validation_error
 from serve_app.protocol import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
 
 
@@ -61,6 +61,9 @@ class HandleAPI:
 
 
 def _validated(request: ChatCompletionRequest | dict[str, Any]) -> ChatCompletionRequest:
+    data = request.model_dump() if isinstance(request, ChatCompletionRequest) else request
+    if (error := invalid_unicode(data)) is not None:
+        raise error
     if isinstance(request, ChatCompletionRequest):
         return request
     try:

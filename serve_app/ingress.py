@@ -39,7 +39,7 @@ from serve_app.chat_completions import (
 )
 from serve_app.chat_output import OutputParsing
 from serve_app.config import AppConfig
-from serve_app.errors import APIError, not_found_model, validation_error
+from serve_app.errors import APIError, invalid_unicode, not_found_model, validation_error
 from serve_app.metrics import (
     CONTENT_TYPE,
     STATUS_CLIENT_GONE,
@@ -90,6 +90,8 @@ async def read_json_body(request: Request, limit: int) -> dict:
 
 
 def parse_request(model_cls: type, data: dict) -> Any:
+    if (error := invalid_unicode(data)) is not None:
+        raise error
     try:
         return model_cls.model_validate(data)
     except ValidationError as exc:
