@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test bench bench-cpu bench-prefix bench-fairness bench-ttft-overhead bench-gpu clean
+.PHONY: install serve test fuzz bench bench-cpu bench-prefix bench-fairness bench-ttft-overhead bench-gpu clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -25,6 +25,12 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m serve_app.bench --url http://127.0.0.1:8000 --concurrency 1 16 32 --num-requests 64 --max-tokens 64
+
+# The long fuzz run of docs/RELIABILITY.md: 3000 generated bodies against its own app on
+# the tiny test model (tests/test_fuzz.py runs 300 in CI). FUZZ_ARGS="--config configs/default.yaml"
+# fuzzes the real default model instead.
+fuzz: $(STAMP)
+	PYTHONPATH=. $(BIN)/python scripts/fuzz.py --requests 3000 --json fuzz-results/fuzz.json $(FUZZ_ARGS)
 
 # The benchmarks of docs/BENCHMARKS.md, one command each (they start their own servers).
 bench-cpu: $(STAMP)
