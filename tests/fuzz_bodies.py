@@ -8,7 +8,8 @@ wrong-typed fields, extreme and non-finite numbers, huge or odd strings, deep ne
 duplicate keys), and raw bodies break the JSON itself (non-objects, bytes, truncation,
 bad UTF-8). Large values appear only through mutations, so they are a minority.
 
-`generate_cases(count, seed, model_id)` returns the same list for the same arguments.
+`generate_cases(count, seed, model_id)` returns the same list for the same arguments
+(in a fresh process).
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ import json
 import math
 import random
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
+from hypothesis.internal.conjecture import providers as hypothesis_providers
 
 from serve_app.completions import CompletionRequest
 from serve_app.lm_v2 import LmV2ChatRequest
@@ -180,12 +183,16 @@ def numeric_fields(model_cls: type) -> list[str]:
     return sorted(k for k, v in model_cls.model_json_schema()["properties"].items() if numeric(v))
 
 
-def string_paths(body: Any, path: tuple = ()) -> list[tuple]:
-    """Paths to every string value in a JSON body."""
-    if isinstance(body, str):
-        return [path]
+def scalar_paths(body: Any, path: tuple = (), kinds: tuple = (str, int, float, bool, type(None))) -> list[tuple]:
+    """Paths to every scalar value (of `kinds`) in a JSON body."""
+    if isinstance(body, kinds):
+        return [path] if path else []
     items = body.items() if isinstance(body, dict) else enumerate(body) if isinstance(body, list) else ()
-    return [p for key, value in items for p in string_paths(value, (*path, key))]
+    return [p for key, value in items for p in scalar_paths(value, (*path, key), kinds)]
+
+
+def string_paths(body: Any) -> list[tuple]:
+    return scalar_paths(body, kinds=(str,))
 
 
 def set_path(body: Any, path: tuple, value: Any) -> None:
@@ -251,6 +258,26 @@ def _non_finite(draw, body, fields, numeric):
     return dumps(body)
 
 
+def _non_finite_nested(draw, body, fields, numeric):
+    # Inside free-form JSON the models do not type: a schema bound, a tool's parameters,
+    # template kwargs; or at any scalar of the body.
+    value = draw(st.sampled_from(NON_FINITE))
+    places = {
+        "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "number", "maximum": value}}},
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+            "x": {"type": "number", "minimum": value}}}, "strict": True}}],
+        "chat_template_kwargs": {"enable_thinking": value},
+    }
+    choices = [name for name in places if name in fields]
+    paths = scalar_paths(body)
+    if not choices or (paths and draw(st.booleans())):
+        set_path(body, draw(st.sampled_from(paths)), value)
+    else:
+        name = draw(st.sampled_from(choices))
+        body[name] = places[name]
+    return dumps(body)
+
+
 def _overflow_float(draw, body, fields, numeric):
     # 1e400 parses to inf in Python's json without any NaN/Infinity literal.
     body[draw(st.sampled_from(numeric))] = MARKER
@@ -293,7 +320,7 @@ def _many_stops(draw, body, fields, numeric):
 MUTATIONS: dict[str, Callable] = {
     "drop_field": _drop_field, "extra_field": _extra_field, "wrong_type": _wrong_type,
     "extreme_number": _extreme_number, "large_budget": _large_budget, "non_finite": _non_finite,
-    "overflow_float": _overflow_float, "huge_string": _huge_string, "odd_string": _odd_string,
+    "non_finite_nested": _non_finite_nested, "overflow_float": _overflow_float, "huge_string": _huge_string, "odd_string": _odd_string,
     "lone_surrogate": _lone_surrogate, "deep_nesting": _deep_nesting, "duplicate_key": _duplicate_key,
     "many_stops": _many_stops,
 }
@@ -336,7 +363,9 @@ def body_strategy(route: str, kind: str, model_id: str) -> st.SearchStrategy:
 
 
 def generate_cases(count: int, seed: int, model_id: str) -> list[FuzzCase]:
-    """`count` cases, the same ones for the same arguments. A seeded plan picks each
+    """`count` cases, the same ones for the same arguments in a fresh process (the first
+    call of a process can differ slightly from later ones: hypothesis warms caches).
+    A seeded plan picks each
     case's route and kind (hypothesis' own choices favour the first, "simplest", option,
     which would make one mutation most of a run); hypothesis then draws the bodies of
     each (route, kind) group, its example database and shrinking off."""
@@ -346,6 +375,22 @@ def generate_cases(count: int, seed: int, model_id: str) -> list[FuzzCase]:
     bodies = {key: iter(_examples(body_strategy(*key, model_id), plan.count(key), seed))
               for key in sorted(set(plan))}
     return [FuzzCase(route, next(bodies[route, kind]), kind) for route, kind in plan]
+
+
+@contextmanager
+def _no_local_constants():
+    """Hypothesis mixes in constants it finds in the project's loaded modules, so the
+    draws would depend on which modules a run happened to import (pytest on one file or
+    on all): switch that pool off while generating. Internal API, hence the guard."""
+    original = getattr(hypothesis_providers, "_get_local_constants", None)
+    if original is None:
+        yield
+        return
+    hypothesis_providers._get_local_constants = hypothesis_providers.Constants
+    try:
+        yield
+    finally:
+        hypothesis_providers._get_local_constants = original
 
 
 def _examples(strategy: st.SearchStrategy, count: int, seed: int) -> list:
@@ -358,6 +403,7 @@ def _examples(strategy: st.SearchStrategy, count: int, seed: int) -> list:
     def collect(example) -> None:
         found.append(example)
 
-    collect()
+    with _no_local_constants():
+        collect()
     # Hypothesis stops early when it has seen every value a small strategy has (e.g. "empty").
     return [found[i % len(found)] for i in range(count)]

@@ -34,10 +34,10 @@ def test_generated_bodies_get_no_5xx_and_leave_the_engine_clean(tiny_app):
     assert after.kv_blocks_used == before.kv_blocks_used == 0, after
 
 
-def test_generation_is_deterministic_and_covers_every_kind():
-    cases = generate_cases(300, SEED, TINY_MODEL_ID)
-    assert cases == generate_cases(300, SEED, TINY_MODEL_ID)
+def test_generation_covers_every_route_and_kind():
+    cases = generate_cases(CASES, SEED, TINY_MODEL_ID)
     kinds = Counter(case.kind for case in cases)
     assert kinds["valid"] > 100
     assert {kind.split(":")[0] for kind in kinds} == {"valid", "mutate", "raw"}
+    assert len(kinds) >= 20  # most of the 14 mutations and 9 raw kinds appear
     assert {case.route for case in cases} == {"/v1/chat/completions", "/v1/completions", "/lm/v2/chat/completions"}
