@@ -104,7 +104,11 @@ class RequestProcessor:
 
     async def _prompt(self, request: GenerateRequest) -> Prompt:
         if self.vision is None:
-            return self.prompts.build(request)
+            if _prompt_size(request) > INLINE_PROMPT_BYTES:
+                # A long conversation takes up to seconds to template and tokenize: in a
+                # thread, the event loop keeps streaming other requests' tokens meanwhile.
+                return await asyncio.to_thread(self.prompts.build, request)
+            return self.prompts.build(request)  # short: a thread hop would cost more
         if not request.images:
             return self.vision.build(request)
         # Decoding and preparing pixels takes milliseconds per image: off the event loop,
@@ -155,6 +159,17 @@ class RequestProcessor:
         if max_tokens is None:
             max_tokens = max(1, self.max_model_len - num_prompt_tokens)
         return dataclasses.replace(request.params, max_tokens=max_tokens)
+
+
+INLINE_PROMPT_BYTES = 32 * 1024
+
+
+def _prompt_size(request: GenerateRequest) -> int:
+    """Characters of text in the request (roughly; enough to tell short from long)."""
+    if request.prompt is not None:
+        return len(request.prompt)
+    return sum(len(m.get("content") or "") if isinstance(m.get("content"), str) else 256
+               for m in request.messages or ())
 
 
 def _step_error(failed: TokenEvent) -> GenerationChunk:
