@@ -365,10 +365,11 @@ def body_strategy(route: str, kind: str, model_id: str) -> st.SearchStrategy:
 def generate_cases(count: int, seed: int, model_id: str) -> list[FuzzCase]:
     """`count` cases, the same ones for the same arguments in a fresh process (the first
     call of a process can differ slightly from later ones: hypothesis warms caches).
-    A seeded plan picks each
-    case's route and kind (hypothesis' own choices favour the first, "simplest", option,
-    which would make one mutation most of a run); hypothesis then draws the bodies of
-    each (route, kind) group, its example database and shrinking off."""
+
+    A seeded plan picks each case's route and kind (hypothesis' own choices favour the
+    first, "simplest", option, which would make one mutation most of a run); hypothesis
+    then draws the bodies of each (route, kind) group, its example database and
+    shrinking off."""
     rng = random.Random(seed)
     kinds, weights = zip(*KINDS.items())
     plan = [(rng.choice(sorted(ROUTES)), rng.choices(kinds, weights)[0]) for _ in range(count)]
