@@ -59,6 +59,8 @@ def main() -> int:
         "server_errors_5xx": report.server_errors,
         "problems": len(report.problems),
         "replicas_restarted": len(replicas - replicas_after),
+        "worker_pid_changed": after.pid != before.pid,
+        "worker_rss_mib_before_after": [round(before.rss_bytes / 2**20), round(after.rss_bytes / 2**20)],
         "leaked_sequences": after.active_requests + after.running + after.waiting,
         "kv_blocks_used_before_after": [before.kv_blocks_used, after.kv_blocks_used],
         "wall_s": round(report.seconds, 1),
@@ -70,7 +72,8 @@ def main() -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({**figures, "problem_samples": report.describe_problems(100)}, indent=1))
-    clean = not (report.problems or figures["replicas_restarted"] or figures["leaked_sequences"]
+    clean = not (report.problems or figures["replicas_restarted"] or figures["worker_pid_changed"]
+                 or figures["leaked_sequences"]
                  or after.kv_blocks_used != before.kv_blocks_used)
     return 0 if clean else 1
 

@@ -8,12 +8,12 @@ wrong-typed fields, extreme and non-finite numbers, huge or odd strings, deep ne
 duplicate keys), and raw bodies break the JSON itself (non-objects, bytes, truncation,
 bad UTF-8). Large values appear only through mutations, so they are a minority.
 
-`generate_cases(count, seed, model_id)` returns the same list for the same arguments
-(in a fresh process).
+`generate_cases(count, seed, model_id)` returns the same list for the same arguments.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import random
@@ -85,7 +85,8 @@ json_values = st.recursive(
     lambda inner: st.lists(inner, max_size=MAX_ITEMS) | st.dictionaries(st.text(max_size=10), inner, max_size=MAX_ITEMS),
     max_leaves=10,
 )
-free_objects = st.sampled_from(SAMPLE_SCHEMAS) | st.dictionaries(st.text(max_size=10), json_values, max_size=MAX_ITEMS)
+# Copies: mutations edit bodies in place, and a shared sample would carry the edit on.
+free_objects = st.sampled_from(SAMPLE_SCHEMAS).map(copy.deepcopy) | st.dictionaries(st.text(max_size=10), json_values, max_size=MAX_ITEMS)
 
 
 def from_schema(node: dict, defs: dict) -> st.SearchStrategy:
@@ -126,6 +127,10 @@ def _typed(node: dict, defs: dict) -> st.SearchStrategy:
         required = set(node.get("required", ()))
         return st.fixed_dictionaries({k: v for k, v in props.items() if k in required},
                                      optional={k: v for k, v in props.items() if k not in required})
+    if kind == "object" and isinstance(node.get("additionalProperties"), dict):
+        # e.g. logit_bias: token-id keys (most inside the tiny vocabulary) to numbers
+        keys = st.integers(0, 500).map(str) | st.text(max_size=10)
+        return st.dictionaries(keys, from_schema(node["additionalProperties"], defs), max_size=MAX_ITEMS)
     if kind == "object":
         return free_objects
     return json_values  # no type: anything
@@ -166,7 +171,7 @@ def route_schema(model_cls: type, model_id: str) -> dict:
 def valid_bodies(draw, model_cls: type, model_id: str) -> dict:
     schema = route_schema(model_cls, model_id)
     body = draw(from_schema(schema, schema.get("$defs", {})))
-    if draw(st.booleans()):  # half keep the schema's own prompt, half get a well-formed one
+    if draw(st.integers(0, 3)):  # 1 in 4 keep the schema's own prompt, the rest get a well-formed one
         body.update(draw(PROMPTS[model_cls]))
     cap_field = next(f for f in TOKEN_CAP_FIELDS if f in schema["properties"])
     if draw(st.integers(0, 9)):  # 9 in 10 set the cap; unset, the route's default applies
@@ -363,8 +368,7 @@ def body_strategy(route: str, kind: str, model_id: str) -> st.SearchStrategy:
 
 
 def generate_cases(count: int, seed: int, model_id: str) -> list[FuzzCase]:
-    """`count` cases, the same ones for the same arguments in a fresh process (the first
-    call of a process can differ slightly from later ones: hypothesis warms caches).
+    """`count` cases, the same ones for the same arguments.
 
     A seeded plan picks each case's route and kind (hypothesis' own choices favour the
     first, "simplest", option, which would make one mutation most of a run); hypothesis

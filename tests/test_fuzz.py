@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+
 from serve_app.app import worker_deployment_name
 from tests.fuzz_bodies import generate_cases
 from tests.fuzz_harness import replica_actor_names, run_cases, wait_idle
@@ -17,25 +19,31 @@ CASES = 300
 SEED = 20261122
 
 
-def test_generated_bodies_get_no_5xx_and_leave_the_engine_clean(tiny_app):
+@pytest.fixture(scope="module")
+def cases():
+    return generate_cases(CASES, SEED, TINY_MODEL_ID)
+
+
+def test_generated_bodies_get_no_5xx_and_leave_the_engine_clean(tiny_app, cases):
     stats = lambda: worker_stats("tiny", TINY_MODEL_ID)  # noqa: E731
     before = wait_idle(stats)
     replicas = replica_actor_names("tiny")
     assert any(worker_deployment_name(TINY_MODEL_ID) in name for name in replicas)
 
-    report = run_cases(tiny_app, generate_cases(CASES, SEED, TINY_MODEL_ID))
+    report = run_cases(tiny_app, cases)
 
     assert len(report.outcomes) == CASES
     assert not report.problems, f"{len(report.problems)} problems, {report.statuses}:\n{report.describe_problems()}"
     assert report.statuses[200] >= CASES // 4, report.statuses  # enough bodies reach the engine
     assert replica_actor_names("tiny") == replicas, "a replica was restarted"
     after = wait_idle(stats)
+    assert after.pid == before.pid, "the worker process was replaced"
     assert (after.active_requests, after.running, after.waiting) == (0, 0, 0), after
     assert after.kv_blocks_used == before.kv_blocks_used == 0, after
 
 
-def test_generation_covers_every_route_and_kind():
-    cases = generate_cases(CASES, SEED, TINY_MODEL_ID)
+def test_generation_is_deterministic_and_covers_every_route_and_kind(cases):
+    assert cases == generate_cases(CASES, SEED, TINY_MODEL_ID)
     kinds = Counter(case.kind for case in cases)
     assert kinds["valid"] > 100
     assert {kind.split(":")[0] for kind in kinds} == {"valid", "mutate", "raw"}
