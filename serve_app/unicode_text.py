@@ -15,21 +15,30 @@ from typing import Any
 
 def lone_surrogate_path(value: Any) -> str | None:
     """The dotted path of the first string (or object key) holding a lone surrogate,
-    shallowest first; None if there is none. Iterative: any nesting depth is safe."""
-    queue: deque[tuple[tuple, Any]] = deque([((), value)])
+    shallowest first; None if there is none. Iterative, and each path is a linked
+    (key, parent) pair until it is needed: any nesting depth is safe and linear."""
+    queue: deque[tuple[tuple | None, Any]] = deque([(None, value)])
     while queue:
         path, item = queue.popleft()
         if isinstance(item, str):
             if has_lone_surrogate(item):
-                return ".".join(map(str, path))
+                return _dotted(path)
         elif isinstance(item, dict):
             for key, child in item.items():
                 if isinstance(key, str) and has_lone_surrogate(key):
-                    return ".".join(map(str, (*path, key)))
-                queue.append(((*path, key), child))
+                    return _dotted((key, path))
+                queue.append(((key, path), child))
         elif isinstance(item, (list, tuple)):
-            queue.extend(((*path, index), child) for index, child in enumerate(item))
+            queue.extend(((index, path), child) for index, child in enumerate(item))
     return None
+
+
+def _dotted(path: tuple | None) -> str:
+    keys = []
+    while path is not None:
+        key, path = path
+        keys.append(str(key))
+    return ".".join(reversed(keys))
 
 
 def has_lone_surrogate(text: str) -> bool:
