@@ -297,13 +297,15 @@ class ServeProbe:
         return round(sum(total) / 2**20, 1) if total else None
 
 
-async def settled(probe: ServeProbe, baseline: WorkerSnapshot, timeout_s: float) -> tuple[WorkerSnapshot, float]:
-    """Poll until the worker is idle with its baseline KV blocks in use (or the timeout);
-    returns the last snapshot and the seconds it took."""
+async def settled(probe: ServeProbe, baseline: WorkerSnapshot | None, timeout_s: float) -> tuple[WorkerSnapshot, float]:
+    """Poll until the worker is idle with no more KV blocks in use than `baseline` (none
+    given: just idle), or the timeout; returns the last snapshot and the seconds it took.
+    Idle needs a moment even with no load: a client that hung up is noticed by the
+    ingress, which then cancels the worker call."""
     start = time.monotonic()
     while True:
         snap = await asyncio.to_thread(probe.snapshot)
-        back = snap.idle and snap.kv_blocks_used <= baseline.kv_blocks_used
+        back = snap.idle and (baseline is None or snap.kv_blocks_used <= baseline.kv_blocks_used)
         if back or time.monotonic() - start > timeout_s:
             return snap, round(time.monotonic() - start, 1)
         await asyncio.sleep(0.5)
@@ -396,7 +398,7 @@ async def run_load(config: SoakConfig, on_sample: Callable[[], None] | None = No
 
 
 async def soak(config: SoakConfig, probe: ServeProbe | None = None) -> SoakReport:
-    before = await asyncio.to_thread(probe.snapshot) if probe else None
+    before = (await settled(probe, None, config.settle_timeout_s))[0] if probe else None
     rss: list[float] = []
 
     def sample() -> None:
