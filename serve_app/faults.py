@@ -3,7 +3,8 @@
     python -m serve_app.faults --config configs/default.yaml --json bench-results/faults.json
 
 Starts the config's first app with two worker replicas (so a worker kill can show that
-only the requests on the killed replica fail), runs a closed loop of streaming chat
+only the requests on the killed replica fail; `--ingress-replicas 2` does the same for
+the ingress), runs a closed loop of streaming chat
 requests, kills one replica (`ray.kill`, no restart: Serve's controller must notice and
 replace it) and keeps the load going. Per fault it reports:
 
@@ -11,9 +12,9 @@ replace it) and keeps the load going. Per fault it reports:
   `failed` (a clear error: JSON error or SSE error event) or `lost` (cut connection,
   malformed, timeout);
 - failures among requests sent after the kill;
-- recovery: seconds from the kill until requests succeed again (the later of the first
-  success and the last failure among requests sent after it), and until Serve reports
-  the deployment's replicas all RUNNING again.
+- recovery: seconds from the kill until a probe request (one token, sent one after
+  another beside the load, not counted in it) sent after the kill succeeds; and until
+  Serve reports the deployment's replicas all RUNNING again, the killed one replaced.
 
 The third fault of docs/RELIABILITY.md, an exception inside one request's sampling, is
 an engine-level fault and is tested in tests/test_faults.py.
@@ -59,7 +60,7 @@ class FaultReport:
     affected_lost: int
     sent_after_kill: int
     failed_after_kill: int  # failed or lost
-    recovery_s: float | None  # kill -> requests succeed again
+    recovery_s: float | None  # kill -> the end of the first probe sent after it that succeeded
     replaced_s: float | None  # kill -> the deployment's replicas all RUNNING again
     errors: dict[str, int]  # "class detail" -> count, over affected and later failures
 
@@ -97,36 +98,42 @@ def running_replicas(app_name: str, deployment: str) -> tuple[int, int]:
     return states.get("RUNNING", 0), sum(states.values())
 
 
-def wait_replaced(app_name: str, deployment: str, replicas: int, since: float, timeout_s: float) -> float | None:
-    """Seconds from `since` until the deployment again has `replicas` RUNNING and no other."""
+def wait_replaced(app_name: str, deployment: str, killed: str, replicas: int, since: float,
+                  timeout_s: float) -> float | None:
+    """Seconds from `since` until the deployment has `replicas` RUNNING replicas again, none
+    of them the `killed` actor (Serve may still count it RUNNING before it notices)."""
     deadline = time.monotonic() + timeout_s
-    time.sleep(1)  # the controller needs a health-check round to see the kill at all
     while time.monotonic() < deadline:
-        if running_replicas(app_name, deployment) == (replicas, replicas):
+        names = replica_actor_names(app_name, deployment)
+        if killed not in names and len(names) == replicas and \
+                running_replicas(app_name, deployment) == (replicas, replicas):
             return round(time.monotonic() - since, 1)
-        time.sleep(0.5)
+        time.sleep(0.25)
     return None
 
 
-async def load_with_kill(load: FaultLoad, kill: Callable[[], None]) -> tuple[list[Outcome], float]:
-    """The closed loop of streaming requests; calls `kill()` (in a thread) after
-    kill_after_s. Returns every outcome and the monotonic time of the kill."""
+async def load_with_kill(load: FaultLoad, kill: Callable[[], None]) -> tuple[list[Outcome], list[Outcome], float]:
+    """The closed loop of streaming requests, and beside it a probe loop of one-token
+    requests; calls `kill()` (in a thread) after kill_after_s. Returns the load's outcomes,
+    the probes' and the monotonic time of the kill."""
     body = {"model": load.model, "messages": [{"role": "user", "content": "Tell me a long story."}],
             "max_tokens": load.max_tokens, "temperature": 0.7, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
+    probe = {"model": load.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
     outcomes: list[Outcome] = []
+    probes: list[Outcome] = []
     start = time.monotonic()
     deadline = start + load.kill_after_s + load.run_after_s
     killed_at: list[float] = []
     timeout = httpx.Timeout(load.request_timeout_s, connect=30)
-    limits = httpx.Limits(max_connections=load.concurrency)
+    limits = httpx.Limits(max_connections=load.concurrency + 1)
 
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-        async def client_loop() -> None:
+        async def client_loop(kind: str, request: dict, into: list[Outcome]) -> None:
             while time.monotonic() < deadline:
-                outcome = await send(client, load.url, "chat_stream", "/v1/chat/completions", dict(body), 0)
-                outcomes.append(outcome)
-                if outcome.result != COMPLETED:
+                outcome = await send(client, load.url, kind, "/v1/chat/completions", dict(request), 0)
+                into.append(outcome)
+                if outcome.result != COMPLETED or kind == "probe":
                     await asyncio.sleep(0.2)  # a refused request comes back at once: do not spin
 
         async def killer() -> None:
@@ -134,35 +141,31 @@ async def load_with_kill(load: FaultLoad, kill: Callable[[], None]) -> tuple[lis
             killed_at.append(time.monotonic())
             await asyncio.to_thread(kill)
 
-        await asyncio.gather(killer(), *(client_loop() for _ in range(load.concurrency)))
-    return outcomes, killed_at[0]
+        await asyncio.gather(killer(), client_loop("probe", probe, probes),
+                             *(client_loop("chat_stream", body, outcomes) for _ in range(load.concurrency)))
+    return outcomes, probes, killed_at[0]
 
 
-def fault_report(fault: str, replicas: int, outcomes: list[Outcome], killed_at: float,
+def fault_report(fault: str, replicas: int, outcomes: list[Outcome], probes: list[Outcome], killed_at: float,
                  replaced_s: float | None) -> FaultReport:
     in_flight = [o for o in outcomes if o.started < killed_at < o.started + o.latency_s]
     affected = [o for o in in_flight if o.result != COMPLETED]
-    after = sorted((o for o in outcomes if o.started >= killed_at), key=lambda o: o.started)
+    after = [o for o in outcomes if o.started >= killed_at]
     failed_after = [o for o in after if o.result != COMPLETED]
     return FaultReport(
         fault=fault, replicas=replicas, in_flight_at_kill=len(in_flight), affected=len(affected),
         affected_failed=sum(o.result == FAILED for o in affected),
         affected_lost=sum(o.result == LOST for o in affected),
         sent_after_kill=len(after), failed_after_kill=len(failed_after),
-        recovery_s=recovery_seconds(after, killed_at), replaced_s=replaced_s,
+        recovery_s=recovery_seconds(probes, killed_at), replaced_s=replaced_s,
         errors=dict(_count(f"{o.result} {o.status} {o.detail[:80]}" for o in affected + failed_after)),
     )
 
 
-def recovery_seconds(after: list[Outcome], killed_at: float) -> float | None:
-    """Kill -> the end of the first success sent after it, or past the last failure sent
-    after it, whichever is later; None when nothing sent after the kill succeeded."""
-    first_ok = next((o for o in after if o.result == COMPLETED), None)
-    if first_ok is None:
-        return None
-    ends = [first_ok.started + first_ok.latency_s]
-    ends += [o.started + o.latency_s for o in after if o.result != COMPLETED]
-    return round(max(ends) - killed_at, 1)
+def recovery_seconds(probes: list[Outcome], killed_at: float) -> float | None:
+    """Kill -> the end of the first probe sent after it that succeeded (None: none did)."""
+    ok = [o.started + o.latency_s for o in probes if o.started >= killed_at and o.result == COMPLETED]
+    return round(min(ok) - killed_at, 1) if ok else None
 
 
 def _count(items) -> dict[str, int]:
@@ -174,32 +177,43 @@ def _count(items) -> dict[str, int]:
 
 def run_fault(fault: str, app_name: str, deployment: str, load: FaultLoad) -> FaultReport:
     """One fault: load, kill a replica of `deployment` mid-load, measure, wait for the replacement."""
-    replicas = len(replica_actor_names(app_name, deployment))
+    replicas = running_replicas(app_name, deployment)[1]  # of any state: the target
     replaced: list[float | None] = []
 
     def kill() -> None:
         since = time.monotonic()
-        kill_replica(app_name, deployment)
+        killed = kill_replica(app_name, deployment)
         # Watch for the replacement while the load goes on.
         watcher = threading.Thread(target=lambda: replaced.append(
-            wait_replaced(app_name, deployment, replicas, since, timeout_s=load.run_after_s + 120)))
+            wait_replaced(app_name, deployment, killed, replicas, since, timeout_s=load.run_after_s + 120)))
         watcher.start()
         replaced_threads.append(watcher)
 
     replaced_threads: list[threading.Thread] = []
-    outcomes, killed_at = asyncio.run(load_with_kill(load, kill))
+    wait_all_running(app_name, deployment, replicas, timeout_s=120)
+    outcomes, probes, killed_at = asyncio.run(load_with_kill(load, kill))
     for thread in replaced_threads:
         thread.join()
-    return fault_report(fault, replicas, outcomes, killed_at, replaced[0] if replaced else None)
+    return fault_report(fault, replicas, outcomes, probes, killed_at, replaced[0] if replaced else None)
+
+
+def wait_all_running(app_name: str, deployment: str, replicas: int, timeout_s: float) -> None:
+    """Before the load: every replica up (a fresh app answers while its second replica starts)."""
+    deadline = time.monotonic() + timeout_s
+    while running_replicas(app_name, deployment) != (replicas, replicas):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{deployment}: {running_replicas(app_name, deployment)} replicas running")
+        time.sleep(0.5)
 
 
 # --------------------------------------------------------------------------- command line
 
 
-def two_worker_args(args: dict, worker_replicas: int) -> dict:
+def fault_app_args(args: dict, worker_replicas: int, ingress_replicas: int) -> dict:
     """The app's args with `worker_replicas` replicas of the first model, each given one
-    torch thread and half a CPU so both fit a small machine."""
+    torch thread and half a CPU so both fit a small machine, and `ingress_replicas`."""
     args = copy.deepcopy(args)
+    args.setdefault("ingress", {})["num_replicas"] = ingress_replicas
     model = args["models"][0]
     model.setdefault("deployment", {})["num_replicas"] = worker_replicas
     model["deployment"].setdefault("ray_actor_options", {})["num_cpus"] = 0.5
@@ -218,6 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/default.yaml")
     parser.add_argument("--worker-replicas", type=int, default=2)
+    parser.add_argument("--ingress-replicas", type=int, default=1, help="the config's own is 1")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--kill-after", type=float, default=20)
@@ -228,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
 
     with open(args.config) as f:
         app = yaml.safe_load(f)["applications"][0]
-    app_args = two_worker_args(app["args"], args.worker_replicas)
+    app_args = fault_app_args(app["args"], args.worker_replicas, args.ingress_replicas)
     model = app_args["models"][0]["id"]
     ray.init(include_dashboard=False, log_to_driver=False)
     reports = []
@@ -251,6 +266,7 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"config": args.config, "worker_replicas": args.worker_replicas,
+                       "ingress_replicas": args.ingress_replicas,
                        "load": {"concurrency": args.concurrency, "max_tokens": args.max_tokens},
                        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                        "faults": [asdict(r) for r in reports]}, f, indent=2)
