@@ -347,6 +347,7 @@ class SoakReport:
     latency_p99_s: float
     before: dict | None
     peak_rss_mib: float | None
+    rss_samples_mib: list[float]  # every 10 s during the load, then after it: growth or a plateau
     after: dict | None
     settle_s: float | None
     back_to_baseline: bool | None
@@ -365,7 +366,7 @@ class SoakReport:
         if self.before is not None:
             lines.append(f"  worker before: {self.before}")
             lines.append(f"  worker after ({self.settle_s} s later): {self.after}; peak RSS {self.peak_rss_mib} MiB")
-            lines.append(f"  back to baseline: {self.back_to_baseline}")
+            lines.append(f"  back to baseline: {self.back_to_baseline}; RSS every 10 s: {self.rss_samples_mib}")
         return "\n".join(lines)
 
 
@@ -410,11 +411,11 @@ async def soak(config: SoakConfig, probe: ServeProbe | None = None) -> SoakRepor
     after, settle_s = await settled(probe, before, config.settle_timeout_s) if probe else (None, None)
     if after is not None and after.rss_mib is not None:
         rss.append(after.rss_mib)
-    return report(config, outcomes, wall, before, after, settle_s, max(rss) if rss else None)
+    return report(config, outcomes, wall, before, after, settle_s, rss)
 
 
 def report(config: SoakConfig, outcomes: list[Outcome], wall: float, before: WorkerSnapshot | None,
-           after: WorkerSnapshot | None, settle_s: float | None, peak_rss: float | None) -> SoakReport:
+           after: WorkerSnapshot | None, settle_s: float | None, rss_samples: list[float]) -> SoakReport:
     by_kind: dict[str, Counter] = {}
     for o in outcomes:
         by_kind.setdefault(o.kind, Counter())[o.result] += 1
@@ -435,7 +436,8 @@ def report(config: SoakConfig, outcomes: list[Outcome], wall: float, before: Wor
         tool_calls=sum(o.tool_calls for o in outcomes),
         latency_p50_s=round(_quantile(latencies, 0.5), 2), latency_p99_s=round(_quantile(latencies, 0.99), 2),
         before=asdict(before) if before else None, after=asdict(after) if after else None,
-        peak_rss_mib=peak_rss, settle_s=settle_s, back_to_baseline=back,
+        peak_rss_mib=max(rss_samples, default=None), rss_samples_mib=rss_samples, settle_s=settle_s,
+        back_to_baseline=back,
     )
 
 
