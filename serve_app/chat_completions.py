@@ -76,7 +76,7 @@ def tool_constraint(req: ChatCompletionRequest, parser: type[ToolParser]) -> Gui
     grammar = parser.grammar(req.tools_in_play, req.effective_tool_choice, req.parallel_tool_calls is not False)
     if grammar is None:
         return None
-    guided = GuidedDecoding(kind="lark", spec=grammar)
+    guided = GuidedDecoding(kind="lark", spec=grammar, param="tools")
     if (problem := grammar_error(guided)) is not None:  # e.g. a schema with a look-ahead pattern
         raise APIError(400, f"the tools' parameters cannot be enforced by constrained decoding: "
                        f"{problem.splitlines()[0]}", param="tools", code="unsupported_schema")

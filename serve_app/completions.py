@@ -36,7 +36,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -78,7 +78,7 @@ class CompletionRequest(RequestModel):
     min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: StopStrings = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False

@@ -16,7 +16,6 @@ streamer (`events(first, rest)` -> SSE text) and an accumulator (`add(chunk)`,
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -52,7 +51,9 @@ from serve_app.metrics import (
 from serve_app.handle_api import HandleAPI
 from serve_app.media import MediaResolver, first_image_param, image_error
 from serve_app.protocol import ChatCompletionRequest, ModelCard, ModelList
+from serve_app.request_body import read_json_body
 from workers.protocol import ErrorInfo, GenerateRequest, GenerationChunk, ModelInfo
+from workers.sampling_params import SamplingParams
 
 logger = logging.getLogger("chatserve.ingress")
 
@@ -74,19 +75,6 @@ async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
     if (record := current_record()) is not None:
         record.fail(500, "internal_error", type(exc).__name__)
     return APIError(500, f"internal error: {type(exc).__name__}", type="internal_error").response()
-
-
-async def read_json_body(request: Request, limit: int) -> dict:
-    body = await request.body()
-    if len(body) > limit:
-        raise APIError(413, f"request body is {len(body)} bytes; the limit is {limit}", code="request_too_large")
-    try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "request body must be a JSON object", code="invalid_json")
-    return data
 
 
 def parse_request(model_cls: type, data: dict) -> Any:
@@ -209,7 +197,7 @@ class ChatIngress(HandleAPI):
         request_id = new_request_id()
         model_config = self.config.model(req.model)
         gen_request = to_generate_request(req, request_id, model_config)
-        await self._check_token_ids(req.model, gen_request.params.logit_bias, "logit_bias")
+        await self._check_token_ids(req.model, gen_request.params)
         gen_request = await self._with_images(req.model, gen_request)
         parsing = OutputParsing.of(req, model_config)
         if req.stream:
@@ -236,7 +224,7 @@ class ChatIngress(HandleAPI):
         handle = self._worker(req.model)
         request_id = completions.new_request_id()
         gen_request = completions.to_generate_request(req, request_id)
-        await self._check_token_ids(req.model, gen_request.params.logit_bias, "logit_bias")
+        await self._check_token_ids(req.model, gen_request.params)
         if req.stream:
             output = completions.CompletionStreamer(request_id, req)
         else:
@@ -278,15 +266,16 @@ class ChatIngress(HandleAPI):
             raise not_found_model(model, list(self.workers))
         return handle
 
-    async def _check_token_ids(self, model: str, token_ids, param: str) -> None:
+    async def _check_token_ids(self, model: str, params: SamplingParams) -> None:
         """Token ids the sampler would index with must exist in the model's vocabulary."""
-        if not token_ids:
-            return
-        vocab_size = (await self._info(model)).vocab_size
-        bad = sorted(t for t in token_ids if t >= vocab_size)
-        if bad:
-            raise APIError(400, f"{param}: token ids {bad[:5]} are outside the vocabulary (size {vocab_size})",
-                           param=param)
+        for param, token_ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            if not token_ids:
+                continue
+            vocab_size = (await self._info(model)).vocab_size
+            bad = sorted(t for t in token_ids if t >= vocab_size)
+            if bad:
+                raise APIError(400, f"{param}: token ids {bad[:5]} are outside the vocabulary (size {vocab_size})",
+                               param=param)
 
     async def _with_images(self, model: str, gen_request: GenerateRequest) -> GenerateRequest:
         """Image parts become bytes (serve_app/media.py), once the model is known to take

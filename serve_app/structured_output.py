@@ -25,7 +25,7 @@ def guided_decoding(fmt: TextFormat | JSONObjectFormat | JSONSchemaFormat | None
     if fmt is None or isinstance(fmt, TextFormat):
         return None
     schema = fmt.json_schema.schema_ if isinstance(fmt, JSONSchemaFormat) else JSON_OBJECT_SCHEMA
-    guided = GuidedDecoding(kind="json_schema", spec=json.dumps(schema))
+    guided = GuidedDecoding(kind="json_schema", spec=json.dumps(schema), param="response_format")
     error = grammar_error(guided)
     if error is not None:
         raise APIError(400, f"response_format: this JSON schema cannot be enforced: {error}",

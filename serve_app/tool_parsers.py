@@ -27,6 +27,7 @@ from typing import Any
 
 from serve_app.protocol import FunctionDefinition, NamedToolChoice, Tool
 from serve_app.tags import held_prefix
+from workers.json_text import loads_json_text
 from workers.protocol import ToolPrompt
 
 _WS = r"/[ \t\n]*/"
@@ -59,7 +60,7 @@ def _call_from(obj: Any, names: set[str], arguments_keys: tuple[str, ...]) -> Pa
     arguments = obj.get(key, {}) if key is not None else {}
     if isinstance(arguments, str):  # some models write the arguments as JSON text
         try:
-            arguments = json.loads(arguments)
+            arguments = loads_json_text(arguments)
         except ValueError:
             return None
     if not isinstance(arguments, dict):
@@ -216,7 +217,7 @@ class HermesToolParser(ToolParser):
     def _close_call(self, body: str, out: ToolOutput, closed: bool = True) -> None:
         self._in_call = False
         try:
-            call = _call_from(json.loads(body), self.names, ("arguments", "parameters"))
+            call = _call_from(loads_json_text(body), self.names, ("arguments", "parameters"))
         except ValueError:
             call = None
         if call is None:
@@ -307,7 +308,7 @@ class Llama3JsonToolParser(ToolParser):
             rest = rest.lstrip(" \n\t;")
             try:
                 obj, end = decoder.raw_decode(rest)
-            except ValueError:
+            except (ValueError, RecursionError):  # malformed, or nested past Python's limit
                 return None
             call = _call_from(obj, self.names, ("parameters", "arguments"))
             if call is None:

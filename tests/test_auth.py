@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import httpx
@@ -271,3 +272,23 @@ def test_the_keyless_app_stays_open(tiny_app):
                       json={"model": TINY_MODEL_ID, "prompt": "hi", "max_tokens": 1})
     assert resp.status_code == 200
     assert json.loads(resp.text)["object"] == "text_completion"
+
+
+def test_keys_never_reach_the_logs(auth_app):
+    """Requests with right, wrong and malformed keys, then every Serve log file (the
+    ingress's request lines and errors, the replicas' and the proxy's logs) is read."""
+    import ray
+
+    wrong = ENV_KEY.swapcase()
+    call(auth_app, "POST", "/v1/chat/completions", BODIES["/v1/chat/completions"], key=FILE_KEY)
+    call(auth_app, "POST", "/v1/chat/completions", {"model": "nope"}, key=ENV_KEY)  # a 404 after auth
+    call(auth_app, "POST", "/v1/chat/completions", BODIES["/v1/chat/completions"], key=wrong)
+    call(auth_app, "GET", "/v1/models", None, header=f"Basic {OTHER_ENV_KEY}")
+    time.sleep(2)  # log lines are flushed asynchronously
+    serve_logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    files = [p for p in serve_logs.rglob("*") if p.is_file()]
+    texts = {path.name: path.read_text(errors="replace") for path in files}
+    assert any("ChatIngress" in name and "/v1/chat/completions" in text for name, text in texts.items())
+    for name, text in texts.items():
+        for secret in (*ALL_KEYS, wrong):
+            assert secret not in text, f"a key in {name}"

@@ -419,18 +419,22 @@ def test_request_processor_stop_string_ends_request(paged_model, tiny_tokenizer)
     assert engine.blocks.num_used_blocks == 0 and engine.num_active == 0
 
 
-def test_request_processor_context_length_error(paged_model, tiny_tokenizer):
-    engine = make_engine(paged_model, max_model_len=16)
+@pytest.mark.parametrize(("text", "max_tokens", "param"), [
+    ("a long message " * 10, 4, "messages"),  # the prompt alone does not fit
+    ("hi", 40, "max_tokens"),  # the prompt fits; the answer asked for does not
+])
+def test_request_processor_context_length_error(paged_model, tiny_tokenizer, text, max_tokens, param):
+    engine = make_engine(paged_model, max_model_len=24)
 
     async def body(aengine):
         processor = RequestProcessor(aengine, tiny_tokenizer)
-        return [c async for c in processor.generate(_chat_request("a long message " * 10, 4))]
+        return [c async for c in processor.generate(_chat_request(text, max_tokens))]
 
     chunks = asyncio.run(_with_async_engine(engine, body))
     assert len(chunks) == 1
     err = chunks[0].error
     assert err is not None and err.status == 400 and err.code == "context_length_exceeded"
-    assert err.param == "max_tokens"
+    assert err.param == param
 
 
 def test_aborted_request_leaves_no_used_blocks(paged_model, tiny_tokenizer):
@@ -785,3 +789,28 @@ def test_request_processor_puts_cached_tokens_on_every_chunk_from_the_first(page
     assert {c.cached_tokens for c in first} == {0}
     assert {c.cached_tokens for c in second} == {(prompt_len - 1) // 4 * 4}
     assert {(c.index, c.cached_tokens) for c in forked} == {(0, (prompt_len - 1) // 4 * 4), (1, (prompt_len - 1) // 4 * 4)}
+
+
+def test_long_prompts_are_built_off_the_event_loop(paged_model, tiny_tokenizer, monkeypatch):
+    from workers import request_processor as rp
+
+    threaded = []
+    real = asyncio.to_thread
+
+    async def recording_to_thread(func, *args):
+        threaded.append(getattr(func, "__name__", func))
+        return await real(func, *args)
+
+    monkeypatch.setattr(rp.asyncio, "to_thread", recording_to_thread)
+    engine = make_engine(paged_model, max_model_len=64)
+
+    async def body(aengine):
+        processor = RequestProcessor(aengine, tiny_tokenizer)
+        short = [c async for c in processor.generate(_chat_request("hi", 2))]
+        long = [c async for c in processor.generate(_chat_request("x" * (rp.INLINE_PROMPT_BYTES + 1), 2))]
+        return short, long
+
+    short, long = asyncio.run(_with_async_engine(engine, body))
+    assert short[-1].finish_reason == "length"
+    assert long[-1].error.code == "context_length_exceeded"  # built (in a thread), then refused
+    assert threaded == ["build"]

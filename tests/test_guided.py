@@ -359,3 +359,33 @@ def test_request_processor_reports_a_bad_grammar_as_400(paged_model, tiny_tokeni
     assert len(bad) == 1 and bad[0].error.status == 400 and "objectx" in bad[0].error.message
     assert good[-1].finish_reason == "stop"
     jsonschema.validate(json.loads("".join(c.text for c in good)), SCHEMAS["enums"])
+
+
+def test_a_grammar_that_admits_nothing_is_refused_at_admission(engine, prompt):
+    self_only = GuidedDecoding("json_schema", json.dumps({"$ref": "#"}))
+    assert grammar_error(self_only) is None  # valid to llguidance without a tokenizer ...
+    with pytest.raises(GuidedDecodingError, match="admits no output"):  # ... empty with one
+        engine.add_request(prompt, sampled(self_only, 0))
+
+
+def test_a_dead_end_mid_output_is_a_400_for_that_request_only(paged_model, tiny_tokenizer):
+    """A tool call whose arguments admit nothing: the call's opening is allowed, then no
+    token can follow. That request gets a 400 naming its field; its neighbour finishes."""
+    engine = guided_engine(paged_model, tiny_tokenizer, max_model_len=256)
+    dead_end = GuidedDecoding("lark", f'start: "<tool_call>" {lark_json({"$ref": "#"})}', param="tools")
+
+    def request(rid: str, guided: GuidedDecoding | None) -> GenerateRequest:
+        return GenerateRequest(request_id=rid, params=SamplingParams(temperature=0.0, guided=guided),
+                               messages=[{"role": "user", "content": "Call it"}], max_tokens=32)
+
+    async def body(aengine):
+        processor = RequestProcessor(aengine, tiny_tokenizer)
+
+        async def collect(req):
+            return [c async for c in processor.generate(req)]
+        return await asyncio.gather(collect(request("bad", dead_end)), collect(request("good", None)))
+
+    bad, good = asyncio.run(_with_async_engine(engine, body))
+    assert bad[-1].error.status == 400 and bad[-1].error.code == "invalid_grammar", bad[-1]
+    assert "\n" not in bad[-1].error.message  # llguidance's parser dump is left out
+    assert good[-1].finish_reason == "length" and good[-1].error is None

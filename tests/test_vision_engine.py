@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import struct
-import zlib
 
 import pytest
 import torch
 from transformers import AutoModelForImageTextToText
 
-from tests.tiny_vlm import TOKENS_PER_IMAGE, png_bytes, write_tiny_vlm_dir
+from tests.tiny_vlm import TOKENS_PER_IMAGE, png_bytes, png_declaring, write_tiny_vlm_dir
 from workers.async_engine import AsyncEngine
 from workers.engine import EngineLimits, LLMEngine
 from workers.kv_cache import KVCacheShape
@@ -199,17 +197,9 @@ def test_sequences_carry_a_cache_salt_of_their_images(paged_vlm, prompts):
 # --- the worker's checks of the bytes ------------------------------------------------
 
 
-def _png_declaring(width: int, height: int) -> bytes:
-    """A valid PNG header that declares a huge image over a few bytes of data."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\x00" * 64)) + chunk(b"IEND", b"")
-
-
 @pytest.mark.parametrize("data, message", [
-    (_png_declaring(100_000, 100_000), "pixels"),  # beyond PIL's own bomb limit
-    (_png_declaring(2_000, 2_000), "the limit is 10000"),  # beyond ours
+    (png_declaring(100_000, 100_000), "pixels"),  # beyond PIL's own bomb limit
+    (png_declaring(2_000, 2_000), "the limit is 10000"),  # beyond ours
     (b"this is not an image at all", "not a readable image"),
     (png_bytes((1, 2, 3))[:40], "not a readable image"),  # truncated
 ])

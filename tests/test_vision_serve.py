@@ -20,7 +20,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from tests.serve_fixtures import TINY_MODEL_ID, tiny_app_args, wait_ready
 from tests.test_conformance_seeds import SEED_001_MULTIMODAL, check_chat_completion
 from tests.tiny_models import write_tiny_model_dir
-from tests.tiny_vlm import png_bytes, write_tiny_vlm_dir
+from tests.tiny_vlm import png_bytes, png_declaring, write_tiny_vlm_dir
 from workers.detokenizer import IncrementalDetokenizer
 from workers.protocol import GenerateRequest, ImageData
 from workers.sampling_params import SamplingParams
@@ -179,7 +179,11 @@ def test_seed_001_multimodal_sample_is_answered(vision_app, media_dir):
     ("/xxxx/test.png", "outside"),  # seed 001's own placeholder path
     ("missing.png", "no such file"),
     ({"url": "file:///etc/passwd"}, "scheme"),
-    ({"url": "http://169.254.169.254/latest/meta-data/"}, "non-public"),
+    ({"url": "http://169.254.169.254/latest/meta-data/"}, "non-public"),  # link-local (cloud metadata)
+    ({"url": "http://[::1]:8000/a.png"}, "non-public"),  # loopback outside the 127.0.0.0/8 allowlist
+    ({"url": "http://[fe80::1]/a.png"}, "non-public"),
+    ({"url": "http://10.1.2.3/a.png"}, "non-public"),
+    ({"url": "data:image/png;base64," + base64.b64encode(png_declaring(100_000, 100_000)).decode()}, "pixels"),
     ({"url": "data:image/png;base64,%%%"}, "base64"),
 ])
 def test_bad_images_are_400s_naming_the_part(vision_app, image_url, why):

@@ -4,6 +4,8 @@ in about a second and saved as a directory the worker's loader opens like any mo
 from __future__ import annotations
 
 import io
+import struct
+import zlib
 from pathlib import Path
 
 import torch
@@ -86,3 +88,11 @@ def png_bytes(color: tuple[int, int, int], size: tuple[int, int] = (40, 30), pat
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     return buf.getvalue()
+
+
+def png_declaring(width: int, height: int) -> bytes:
+    """A valid PNG header that declares a huge image over a few bytes of data."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\x00" * 64)) + chunk(b"IEND", b"")

@@ -32,6 +32,14 @@ def _set_torch_threads(config: ModelConfig) -> None:
         torch.set_num_threads(threads)
 
 
+def _resident_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def build_engine(config: ModelConfig) -> tuple[LLMEngine, LoadedModel]:
     """Load the model and build its engine. Call it on the thread that will run the engine
     (AsyncEngine.start_on_own_thread says why)."""
@@ -118,6 +126,8 @@ class ModelWorker:
             engine_steps=self.engine.steps,
             prefix_cache_query_tokens=core.blocks.query_tokens,
             prefix_cache_hit_tokens=core.blocks.hit_tokens,
+            pid=os.getpid(),
+            rss_bytes=_resident_bytes(),
         )
 
     def check_health(self) -> None:

@@ -57,12 +57,17 @@ class TokenEvent:
     beam_token_ids: list[int] | None = None  # beam search: a whole finished beam (token_id is -1)
     request_finished: bool = False  # the request's last event
     error: str | None = None  # the request failed inside a model step (token_id is -1)
+    error_is_grammar: bool = False  # ... because its output constraint reached a dead end
     queue_time: float | None = None  # seconds waiting before the first step; on the first event
     cached_tokens: int | None = None  # prompt tokens found in the prefix cache; on the first event
 
 
 class CapacityError(ValueError):
     """The request can never fit in this engine (context window or KV pool)."""
+
+    def __init__(self, message: str, prompt_alone: bool = False) -> None:
+        super().__init__(message)
+        self.prompt_alone = prompt_alone  # the prompt leaves no room for even one token
 
 
 class LLMEngine:
@@ -110,7 +115,8 @@ class LLMEngine:
             raise CapacityError(
                 f"This model's maximum context length is {self.limits.max_model_len} tokens. However, you "
                 f"requested {needed} tokens ({len(prompt_token_ids)} in the prompt, "
-                f"{params.max_tokens} in the completion)."
+                f"{params.max_tokens} in the completion).",
+                prompt_alone=len(prompt_token_ids) >= self.limits.max_model_len,
             )
         # The n choices share the prompt's blocks and each grows its own output.
         kv_needed = len(prompt_token_ids) + params.n * params.max_tokens
@@ -199,7 +205,8 @@ class LLMEngine:
             if request_id in self._requests:
                 self.abort_request(request_id)
                 events.append(TokenEvent(request_id, 0, -1, FinishReason.ABORT, None, now,
-                                         request_finished=True, error=f"{type(exc).__name__}: {exc}"))
+                                         request_finished=True, error=f"{type(exc).__name__}: {exc}",
+                                         error_is_grammar=isinstance(exc, GuidedDecodingError)))
         if self.scheduler.only_request is not None:
             self._next_suspect()
         return events

@@ -112,7 +112,8 @@ class GuideState:
             raise GuidedDecodingError(f"grammar state is broken: {self._state()}")
 
     def _state(self) -> str:
-        return self.matcher.get_error() or "no error reported"
+        # llguidance appends a multi-line parser dump; its first line says what went wrong.
+        return (self.matcher.get_error() or "no error reported").splitlines()[0]
 
 
 @dataclass
@@ -160,6 +161,11 @@ class GuidedDecoder:
         matcher = llguidance.LLMatcher(self.tokenizer, grammar_text(guided), log_level=0)
         if matcher.is_error():
             raise GuidedDecodingError(f"invalid {guided.kind} grammar: {matcher.get_error()}")
+        # A grammar can be valid and still admit no output at all (`{"$ref": "#"}`); the
+        # first mask shows it, and computing it leaves the matcher where it was.
+        matcher.compute_bitmask()
+        if matcher.is_error():
+            raise GuidedDecodingError("it admits no output at all (e.g. a schema that only refers to itself)")
         return GuideState(matcher, self.eos_token_ids)
 
     def mask(self, guides: list[GuideState | None], device: torch.device) -> GuidedMask | None:

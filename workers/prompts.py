@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from workers.json_text import loads_json_text
 from workers.multimodal import ImageInputs
 from workers.protocol import GenerateRequest, ToolPrompt
 
@@ -97,7 +98,7 @@ def _arguments_as_objects(message: dict[str, Any]) -> dict[str, Any]:
     for call in message["tool_calls"]:
         function = dict(call["function"])
         try:
-            function["arguments"] = json.loads(function["arguments"])
+            function["arguments"] = loads_json_text(function["arguments"])
         except (TypeError, ValueError):
             pass  # not JSON: the template gets the text as it is
         calls.append({**call, "function": function})
@@ -127,7 +128,7 @@ def _message_as_text(message: dict[str, Any], fmt: ToolPrompt) -> dict[str, Any]
 
 def _call_text(function: dict[str, Any], fmt: ToolPrompt) -> str:
     try:
-        arguments = json.loads(function["arguments"])
+        arguments = loads_json_text(function["arguments"])
     except (TypeError, ValueError):
         arguments = function["arguments"]
     body = json.dumps({"name": function["name"], fmt.arguments_key: arguments}, ensure_ascii=False)

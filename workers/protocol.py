@@ -127,3 +127,5 @@ class WorkerStats:
     engine_steps: int
     prefix_cache_query_tokens: int = 0  # counters: prompt tokens looked up in the prefix cache
     prefix_cache_hit_tokens: int = 0  # ... and found there
+    pid: int = 0  # the replica's process: a new pid means the replica was replaced
+    rss_bytes: int = 0  # its resident memory (Linux; 0 elsewhere)

@@ -68,10 +68,12 @@ class RequestProcessor:
             return
         except GuidedDecodingError as exc:
             yield GenerationChunk(error=ErrorInfo(400, f"the output constraint cannot be used: {exc}",
+                                                  param=request.params.guided.param if request.params.guided else None,
                                                   code="invalid_grammar"))
             return
         except CapacityError as exc:
-            param = "max_tokens" if request.max_tokens is not None else ("prompt" if request.prompt is not None else "messages")
+            prompt_param = "prompt" if request.prompt is not None else "messages"
+            param = "max_tokens" if request.max_tokens is not None and not exc.prompt_alone else prompt_param
             yield GenerationChunk(error=ErrorInfo(400, str(exc), param=param, code="context_length_exceeded"))
             return
         except EngineDeadError as exc:
@@ -102,7 +104,11 @@ class RequestProcessor:
 
     async def _prompt(self, request: GenerateRequest) -> Prompt:
         if self.vision is None:
-            return self.prompts.build(request)
+            if _prompt_size(request) > INLINE_PROMPT_BYTES:
+                # A long conversation takes up to seconds to template and tokenize: in a
+                # thread, the event loop keeps streaming other requests' tokens meanwhile.
+                return await asyncio.to_thread(self.prompts.build, request)
+            return self.prompts.build(request)  # short: a thread hop would cost more
         if not request.images:
             return self.vision.build(request)
         # Decoding and preparing pixels takes milliseconds per image: off the event loop,
@@ -123,8 +129,7 @@ class RequestProcessor:
         if failed is not None:
             for state in states:
                 state.finished = True
-            return [GenerationChunk(error=ErrorInfo(500, f"this request failed inside the engine ({failed.error})",
-                                                    type="internal_error", code="engine_error"))]
+            return [_step_error(failed)]
         by_choice: dict[int, list[TokenEvent]] = {}
         for event in events:
             by_choice.setdefault(event.index, []).append(event)
@@ -154,6 +159,27 @@ class RequestProcessor:
         if max_tokens is None:
             max_tokens = max(1, self.max_model_len - num_prompt_tokens)
         return dataclasses.replace(request.params, max_tokens=max_tokens)
+
+
+INLINE_PROMPT_BYTES = 32 * 1024
+
+
+def _prompt_size(request: GenerateRequest) -> int:
+    """Characters of text in the request (roughly; enough to tell short from long)."""
+    if request.prompt is not None:
+        return len(request.prompt)
+    return sum(len(m.get("content") or "") if isinstance(m.get("content"), str) else 256
+               for m in request.messages or ())
+
+
+def _step_error(failed: TokenEvent) -> GenerationChunk:
+    if failed.error_is_grammar:
+        # The request's own schema or grammar: it allowed a start it cannot finish.
+        return GenerationChunk(error=ErrorInfo(
+            400, f"the output constraint reached a point no token can continue ({failed.error})",
+            code="invalid_grammar"))
+    return GenerationChunk(error=ErrorInfo(500, f"this request failed inside the engine ({failed.error})",
+                                           type="internal_error", code="engine_error"))
 
 
 def _opens_reasoning(prompt_text: str | None, start_tag: str | None) -> bool:

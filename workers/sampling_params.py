@@ -17,6 +17,7 @@ class GuidedDecoding:
 
     kind: Literal["json_schema", "lark", "regex"]
     spec: str
+    param: str | None = None  # the request field it comes from, named in errors
 
 
 @dataclass(frozen=True)
