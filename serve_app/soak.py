@@ -10,7 +10,7 @@ error: a status with an OpenAI-shaped JSON error, or an SSE error event before `
 or `lost` (connection error, timeout, malformed body or stream: the target is 0).
 
 Before the load and after it (once the worker is idle again) the worker is probed:
-running / waiting sequences, KV blocks in use and the replica's RSS. A freed block stays
+running / waiting sequences, KV blocks in use and the replica's RSS (its `stats`). A freed block stays
 in the prefix cache but sits in the free pool (workers/block_manager.py), so "in use"
 means referenced by a live sequence: the baseline of an idle worker is 0 in use, and a
 soak that ends above it has leaked a sequence.
@@ -262,7 +262,7 @@ class WorkerSnapshot:
     active_requests: int
     kv_blocks_used: int
     kv_blocks_total: int
-    rss_mib: float | None  # the worker replica's resident memory; None when not on this machine
+    rss_mib: float | None  # the worker replica's resident memory (None where it cannot tell)
 
     @property
     def idle(self) -> bool:
@@ -271,30 +271,23 @@ class WorkerSnapshot:
 
 class ServeProbe:
     """Reads one model's worker through its Serve `stats` handle (the driver must be attached
-    to the Ray cluster) and its replica's RSS through /proc (same machine only)."""
+    to the Ray cluster): sequences, KV blocks, and the replica's own RSS."""
 
     def __init__(self, app_name: str, model_id: str) -> None:
         from ray import serve
 
         from serve_app.app import worker_deployment_name
 
-        self.deployment = worker_deployment_name(model_id)
-        self.app_name = app_name
-        self.handle = serve.get_deployment_handle(self.deployment, app_name=app_name)
+        self.handle = serve.get_deployment_handle(worker_deployment_name(model_id), app_name=app_name)
 
     def snapshot(self) -> WorkerSnapshot:
         stats = self.handle.stats.remote().result(timeout_s=60)
+        rss = round(stats.rss_bytes / 2**20, 1) if stats.rss_bytes else None
         return WorkerSnapshot(stats.running, stats.waiting, stats.active_requests, stats.kv_blocks_used,
-                              stats.kv_blocks_total, self.rss_mib())
+                              stats.kv_blocks_total, rss)
 
     def rss_mib(self) -> float | None:
-        import psutil
-
-        # Ray titles a replica's process "ray::ServeReplica:<app>:<deployment>".
-        title = f"ServeReplica:{self.app_name}:{self.deployment}"
-        total = [p.info["memory_info"].rss for p in psutil.process_iter(["cmdline", "memory_info"])
-                 if p.info["cmdline"] and title in " ".join(p.info["cmdline"]) and p.info["memory_info"]]
-        return round(sum(total) / 2**20, 1) if total else None
+        return self.snapshot().rss_mib
 
 
 async def settled(probe: ServeProbe, baseline: WorkerSnapshot | None, timeout_s: float) -> tuple[WorkerSnapshot, float]:
