@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import copy
 import json
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -114,8 +113,9 @@ def wait_replaced(app_name: str, deployment: str, killed: str, replicas: int, si
 
 async def load_with_kill(load: FaultLoad, kill: Callable[[], None]) -> tuple[list[Outcome], list[Outcome], float]:
     """The closed loop of streaming requests, and beside it a probe loop of one-token
-    requests; calls `kill()` (in a thread) after kill_after_s. Returns the load's outcomes,
-    the probes' and the monotonic time of the kill."""
+    requests; calls `kill()` (in a thread) after kill_after_s and returns once both the
+    load and `kill()` are done. Returns the load's outcomes, the probes' and the monotonic
+    time of the kill."""
     body = {"model": load.model, "messages": [{"role": "user", "content": "Tell me a long story."}],
             "max_tokens": load.max_tokens, "temperature": 0.7, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -180,21 +180,14 @@ def run_fault(fault: str, app_name: str, deployment: str, load: FaultLoad) -> Fa
     replicas = running_replicas(app_name, deployment)[1]  # of any state: the target
     replaced: list[float | None] = []
 
-    def kill() -> None:
+    def kill() -> None:  # runs in a thread while the load goes on
         since = time.monotonic()
         killed = kill_replica(app_name, deployment)
-        # Watch for the replacement while the load goes on.
-        watcher = threading.Thread(target=lambda: replaced.append(
-            wait_replaced(app_name, deployment, killed, replicas, since, timeout_s=load.run_after_s + 120)))
-        watcher.start()
-        replaced_threads.append(watcher)
+        replaced.append(wait_replaced(app_name, deployment, killed, replicas, since, load.run_after_s + 120))
 
-    replaced_threads: list[threading.Thread] = []
     wait_all_running(app_name, deployment, replicas, timeout_s=120)
     outcomes, probes, killed_at = asyncio.run(load_with_kill(load, kill))
-    for thread in replaced_threads:
-        thread.join()
-    return fault_report(fault, replicas, outcomes, probes, killed_at, replaced[0] if replaced else None)
+    return fault_report(fault, replicas, outcomes, probes, killed_at, replaced[0])
 
 
 def wait_all_running(app_name: str, deployment: str, replicas: int, timeout_s: float) -> None:
