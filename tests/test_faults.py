@@ -16,7 +16,7 @@ from ray import serve
 
 from serve_app.app import build_app, worker_deployment_name
 from serve_app.config import parse_app_config
-from serve_app.faults import INGRESS, FaultLoad, fault_app_args, run_fault
+from serve_app.faults import INGRESS, FaultLoad, fault_app_args, fault_report, run_fault
 from serve_app.ingress import ChatIngress
 from serve_app.soak import Outcome, send
 from tests.serve_fixtures import TINY_MODEL_ID, tiny_app_args, wait_ready, worker_stats
@@ -201,3 +201,16 @@ def test_an_exception_in_one_requests_sampling_fails_that_request_only(poisoned_
     assert all(o.result == "completed" for o in after)
     stats = worker_stats("poison", TINY_MODEL_ID)
     assert stats.running == stats.waiting == stats.active_requests == stats.kv_blocks_used == 0
+
+
+def test_fault_report_counts_only_requests_in_flight_at_the_kill():
+    def outcome(result: str, started: float, latency: float) -> Outcome:
+        return Outcome("chat_stream", result, 200, started=started, latency_s=latency)
+
+    load = [outcome("completed", 0, 5), outcome("failed", 8, 4), outcome("lost", 9, 2),
+            outcome("completed", 9, 3), outcome("completed", 11, 1), outcome("failed", 12, 0.1)]
+    probes = [outcome("failed", 10.5, 0.1), outcome("completed", 11, 2), outcome("completed", 9, 0.5)]
+    report = fault_report("kill", 2, load, probes, killed_at=10.0, replaced_s=20.0)
+    assert (report.in_flight_at_kill, report.affected, report.affected_failed, report.affected_lost) == (3, 2, 1, 1)
+    assert (report.sent_after_kill, report.failed_after_kill) == (2, 1)
+    assert report.recovery_s == 3.0  # the first probe sent after the kill that succeeded ended at 13
