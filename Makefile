@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test fuzz bench bench-cpu bench-prefix bench-fairness bench-ttft-overhead bench-gpu clean
+.PHONY: install serve test fuzz bench bench-cpu bench-prefix bench-fairness bench-ttft-overhead bench-gpu soak faults clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -48,6 +48,15 @@ bench-ttft-overhead: $(STAMP)
 
 bench-gpu: $(STAMP)
 	mkdir -p bench-results && $(BIN)/python -m workers.bench_gpu --shape 1b 8b --json bench-results/gpu.json
+
+# Reliability (docs/RELIABILITY.md): a 10-minute soak at concurrency 32 on the default model,
+# and the fault runs (kill a worker replica, kill the ingress replica, under load). Each starts
+# its own Ray + Serve on loopback and writes JSON under bench-results/.
+soak: $(STAMP)
+	mkdir -p bench-results && $(BIN)/python -m serve_app.soak --config configs/default.yaml --duration 600 --concurrency 32 --max-tokens 32 --json bench-results/soak.json
+
+faults: $(STAMP)
+	mkdir -p bench-results && $(BIN)/python -m serve_app.faults --config configs/default.yaml --json bench-results/faults.json
 
 clean:
 	rm -rf $(VENV)

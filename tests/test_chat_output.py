@@ -11,7 +11,7 @@ from openai.types.chat import ChatCompletionChunk as SDKChunk
 from serve_app.chat_completions import ChunkStreamer, CompletionAccumulator
 from serve_app.chat_output import OutputParsing
 from serve_app.protocol import ChatCompletionRequest
-from tests.sse_events import sse_payloads
+from tests.sse_events import sse_lines, sse_payloads
 from workers.config import ModelConfig
 from workers.protocol import GenerationChunk
 
@@ -113,3 +113,14 @@ def test_a_prompt_opened_reasoning_without_end_tag_is_all_reasoning():
     assert message["reasoning_content"] == "still thinking about it" and message["content"] == ""
     usage = body["usage"]
     assert usage["completion_tokens_details"]["reasoning_tokens"] == usage["completion_tokens"] == 6
+
+
+def test_an_event_stays_one_line_for_clients_that_split_like_str_splitlines():
+    """Found by the soak: the model wrote U+2028, httpx's aiter_lines cut the event in two."""
+    text = "a\u2028b\u2029c\x85d\nline"
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                "stream": True})
+    streamer = ChunkStreamer("r", req, False, OutputParsing.of(req, ModelConfig(id="m")))
+    lines = "".join(sse_lines(streamer, chunks_of(text, 3))).splitlines()
+    payloads = [json.loads(line[6:]) for line in lines if line and line != "data: [DONE]"]
+    assert "".join(p["choices"][0]["delta"].get("content") or "" for p in payloads) == text
