@@ -48,6 +48,9 @@ CASES = [
     ("utf8-invalid", CHAT, b'{"model": "\xff\xfe", "messages": []}', 400, "invalid_json", "JSON", None),
     ("utf8-invalid-in-string", CHAT, b'{"model": "x", "messages": [{"role": "user", "content": "a\xc3("}]}',
      400, "invalid_json", "JSON", None),
+    ("lone-utf16-surrogate", CHAT, b'{"model": "%s", "messages": [{"role": "user", "content": "a\\ud800"}]}'
+     % TINY_MODEL_ID.encode(),
+     400, "invalid_unicode", "surrogate", "messages.0.content"),
     ("json-broken", CHAT, b'{"model": ', 400, "invalid_json", "JSON", None),
     ("json-empty", CHAT, b"", 400, "invalid_json", "JSON", None),
     ("json-not-object", CHAT, b"[1, 2]", 400, "invalid_json", "object", None),

@@ -51,7 +51,7 @@ def test_text_format_means_no_constraint():
 
 def test_json_object_and_json_schema_become_guided_decoding():
     guided = chat_request(chat(response_format={"type": "json_object"}), "r").params.guided
-    assert guided == GuidedDecoding("json_schema", json.dumps({"type": "object"}))
+    assert guided == GuidedDecoding("json_schema", json.dumps({"type": "object"}), "response_format")
     guided = chat_request(chat(response_format=PERSON_FORMAT), "r").params.guided
     assert guided.kind == "json_schema" and json.loads(guided.spec) == PERSON
 

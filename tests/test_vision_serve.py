@@ -173,7 +173,9 @@ def test_seed_001_multimodal_sample_is_answered(vision_app, media_dir):
     check_chat_completion(resp.json(), VLM_ID, 20)
 
 
-@pytest.mark.parametrize("image_url, why", [
+# (image_url, words the message must contain); the media dir holds test.png and notes.png,
+# and outside.png lies beside it. scripts/hostile_table.py prints these answers too.
+BAD_IMAGES = [
     ("notes.png", "not a readable image"),  # the worker decodes it
     ("../outside.png", "outside"),
     ("/xxxx/test.png", "outside"),  # seed 001's own placeholder path
@@ -185,12 +187,15 @@ def test_seed_001_multimodal_sample_is_answered(vision_app, media_dir):
     ({"url": "http://10.1.2.3/a.png"}, "non-public"),
     ({"url": "data:image/png;base64," + base64.b64encode(png_declaring(100_000, 100_000)).decode()}, "pixels"),
     ({"url": "data:image/png;base64,%%%"}, "base64"),
-])
+]
+
+
+@pytest.mark.parametrize("image_url, why", BAD_IMAGES)
 def test_bad_images_are_400s_naming_the_part(vision_app, image_url, why):
     resp = chat(vision_app, image_url)
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
-    assert error["param"] == PARAM and why in error["message"]
+    assert (error["param"], error["code"]) == (PARAM, "invalid_image") and why in error["message"]
 
 
 def test_text_only_model_refuses_an_image(vision_app):

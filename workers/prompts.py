@@ -20,9 +20,10 @@ from workers.protocol import GenerateRequest, ToolPrompt
 
 
 class PromptError(ValueError):
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,7 @@ class RequestProcessor:
             guide = await asyncio.to_thread(self.engine.engine.compile_guide, params) if params.guided else None
             stream = self.engine.add_request(prompt_ids, params, guide, images=prompt.images)
         except PromptError as exc:
-            yield GenerationChunk(error=ErrorInfo(400, str(exc), param=exc.param))
+            yield GenerationChunk(error=ErrorInfo(400, str(exc), param=exc.param, code=exc.code))
             return
         except GuidedDecodingError as exc:
             yield GenerationChunk(error=ErrorInfo(400, f"the output constraint cannot be used: {exc}",

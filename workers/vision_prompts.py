@@ -29,15 +29,16 @@ def decode_image(image: ImageData, max_pixels: int) -> Image.Image:
             width, height = opened.size
             if width * height > max_pixels:
                 raise PromptError(
-                    f"{image.param}: the image is {width}x{height} pixels; the limit is {max_pixels}", image.param
-                )
+                    f"{image.param}: the image is {width}x{height} pixels; the limit is {max_pixels}", image.param,
+                    "invalid_image")
             return opened.convert("RGB")  # decodes now, within the checked size
     except PromptError:
         raise
     except Image.DecompressionBombError:
-        raise PromptError(f"{image.param}: the image declares too many pixels", image.param) from None
+        raise PromptError(f"{image.param}: the image declares too many pixels", image.param, "invalid_image") from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError) as exc:
-        raise PromptError(f"{image.param}: not a readable image ({type(exc).__name__})", image.param) from None
+        raise PromptError(f"{image.param}: not a readable image ({type(exc).__name__})", image.param,
+                          "invalid_image") from None
 
 
 class VisionPromptBuilder:
