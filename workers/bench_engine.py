@@ -3,6 +3,7 @@
     python -m workers.bench_engine decode --batch 1 16 32       # decode step: engine vs raw HF forward
     python -m workers.bench_engine decode --batch 1 16 --guided # also: every row under a JSON schema
     python -m workers.bench_engine offline --concurrency 1 16 32 64 --max-tokens 64
+    python -m workers.bench_engine worker --concurrency 1 32  # the worker's request path, no Ray
     python -m workers.bench_engine prefix --prefix-tokens 1000  # TTFT: first vs second request sharing a prefix
     python -m workers.bench_engine fairness --streams 16 --long-prompt 2000 --budget 256 2048
 
@@ -14,11 +15,17 @@ the time spent building the grammar mask and applying it to the logits.
 temperature 0.8, ignore_eos, closed loop at C requests, max(8, 2C) requests per level),
 straight into `LLMEngine.step()`, and reports the same figures: output tok/s, TTFT and
 TPOT (median, p99). TTFT here is from `add_request` to the first token's step.
+
+`worker` runs the same load through the worker's own request path in this process: the
+engine on its thread (`AsyncEngine`), chat messages templated, tokenized and detokenized
+by `RequestProcessor` on an asyncio loop; only Ray and HTTP are missing. Between
+`offline` and the Serve path it tells the worker's threads apart from Serve's hops.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import json
 import statistics
@@ -195,6 +202,65 @@ def run_offline(args, loaded) -> None:
                        "levels": [dataclasses.asdict(r) for r in reports]}, f, indent=2)
 
 
+# --- worker: the worker's request path in this process (no Ray) -----------------------------
+
+
+async def worker_level(processor, prompt: str, concurrency: int, num_requests: int, max_tokens: int) -> OfflineReport:
+    from workers.protocol import GenerateRequest
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.8, ignore_eos=True)
+    ttfts: list[float] = []
+    tpots: list[float] = []
+    tokens = 0
+    slots = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> None:
+        nonlocal tokens
+        request = GenerateRequest(request_id=f"bench-{i}", params=params, max_tokens=max_tokens,
+                                  messages=[{"role": "user", "content": prompt}])
+        async with slots:
+            start = time.perf_counter()
+            arrivals = []
+            async for chunk in processor.generate(request):
+                arrivals.append(time.perf_counter())
+                tokens += len(chunk.token_ids)
+        ttfts.append((arrivals[0] - start) * 1000)
+        if len(arrivals) > 1:
+            tpots.append((arrivals[-1] - arrivals[0]) / (len(arrivals) - 1) * 1000)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one(i) for i in range(num_requests)))
+    wall = time.perf_counter() - start
+    return OfflineReport(concurrency, num_requests, wall, tokens / wall, statistics.median(ttfts),
+                         percentile(ttfts, 99), statistics.median(tpots) if tpots else float("nan"),
+                         percentile(tpots, 99))
+
+
+async def run_worker(args) -> None:
+    from workers.async_engine import AsyncEngine
+    from workers.request_processor import RequestProcessor
+
+    tokenizers = []
+
+    def build() -> LLMEngine:  # on the engine thread, as the deployment does
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        loaded = load_model(args.source, attn_implementation=register_paged_attention())
+        tokenizers.append(loaded.tokenizer)
+        return new_engine(loaded.model, loaded.tokenizer)
+
+    engine = AsyncEngine.start_on_own_thread(build, asyncio.get_running_loop())
+    processor = RequestProcessor(engine, tokenizers[0])
+    try:
+        await worker_level(processor, args.prompt, 1, 2, 4)  # warm-up
+        for concurrency in args.concurrency:
+            n = args.num_requests or max(8, 2 * concurrency)
+            report = await worker_level(processor, args.prompt, concurrency, n, args.max_tokens)
+            print(report.line().replace("engine", "worker", 1), flush=True)
+    finally:
+        engine.stop()
+
+
 # --- prefix: TTFT of a request sharing a long prefix with an earlier one -------------------
 
 
@@ -290,6 +356,11 @@ def main(argv: list[str] | None = None) -> None:
     offline.add_argument("--max-tokens", type=int, default=64)
     offline.add_argument("--prompt", default=BENCH_PROMPT)
     offline.add_argument("--json", default=None)
+    worker = sub.add_parser("worker", help="the same load through the worker's request path (no Ray)")
+    worker.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 32, 64])
+    worker.add_argument("--num-requests", type=int, default=None, help="per level; default 2 x concurrency, >= 8")
+    worker.add_argument("--max-tokens", type=int, default=64)
+    worker.add_argument("--prompt", default=BENCH_PROMPT)
     prefix = sub.add_parser("prefix", help="TTFT of a request sharing a long prefix with an earlier one")
     prefix.add_argument("--prefix-tokens", type=int, default=1000)
     prefix.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
@@ -301,6 +372,9 @@ def main(argv: list[str] | None = None) -> None:
     fair.add_argument("--prefill-cap", type=int, default=None,
                       help="max_prefill_tokens_while_decoding (default: none, the whole budget)")
     args = parser.parse_args(argv)
+    if args.command == "worker":
+        asyncio.run(run_worker(args))  # loads the model on the engine thread itself
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = load_model(args.source)
