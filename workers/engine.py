@@ -228,7 +228,7 @@ class LLMEngine:
         seqs, rows = self._sampling_rows(sampling)
         if not seqs:
             return events
-        row_logits = logits[[i for i, c in enumerate(chunks) if not c.seq.params.use_beam_search]][rows]
+        row_logits = _rows_of(logits, [i for i, c in enumerate(chunks) if not c.seq.params.use_beam_search], rows)
         tensors = SamplingTensors.from_sequences(seqs, self.vocab_size, self.device)
         if self.guided is not None:
             tensors.guided = self.guided.mask([s.guide for s in seqs], self.device)
@@ -374,6 +374,16 @@ class LLMEngine:
         group.remove(seq)
         if not group:
             del self._requests[seq.request_id]
+
+
+def _rows_of(logits: torch.Tensor, sampling_rows: list[int], rows: list[int]) -> torch.Tensor:
+    """The logits row of each sampled sequence: `rows` index into `sampling_rows` (the
+    chunks that sample), which index into `logits`. In the common step (no beams, no
+    forks) that is the first len(rows) rows in order: a view, not a copy of [S, V]."""
+    index = [sampling_rows[r] for r in rows]
+    if index == list(range(len(index))):
+        return logits[: len(index)]
+    return logits[index]
 
 
 def _guided_decoder(tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> GuidedDecoder | None:

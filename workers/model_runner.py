@@ -133,13 +133,13 @@ class ModelRunner:
             offset += n
             if chunk.samples:
                 logits_indices.append(offset - 1)
-        decode_slots, decode_mask = self._decode_context(decodes)
+        decode_blocks, decode_mask = self._decode_context(decodes)
         device = self.device
         metadata = AttentionMetadata(
             kv_cache=self.kv_cache,
             slot_mapping=torch.cat(slot_parts).to(device),
             num_decode_tokens=len(decodes),
-            decode_slots=decode_slots,
+            decode_blocks=decode_blocks,
             decode_mask=decode_mask,
             prefills=spans,
         )
@@ -166,17 +166,17 @@ class ModelRunner:
         return PrefillSpan(offset, offset + n, all_slots.to(self.device), mask)
 
     def _decode_context(self, decodes: list[ScheduledChunk]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(block tables [D, W], context mask [D, 1, 1, W * block_size]) of the decode rows."""
         if not decodes:
             return None, None
-        tables = [c.seq.block_table for c in decodes]
+        # Only the blocks that hold context: a sequence may own more (reserved ahead).
+        ctx_lens = [c.seq.num_computed_tokens + 1 for c in decodes]
+        bs = self.block_size
+        tables = [c.seq.block_table[: (n + bs - 1) // bs] for c, n in zip(decodes, ctx_lens)]
         width = max(len(t) for t in tables)
         padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-        bs = self.block_size
-        slots = (padded.unsqueeze(-1) * bs + torch.arange(bs)).view(len(tables), -1)
-        ctx_lens = torch.tensor([c.seq.num_computed_tokens + 1 for c in decodes], dtype=torch.long)
-        kmax = int(ctx_lens.max())
-        mask = torch.arange(kmax).unsqueeze(0) < ctx_lens.unsqueeze(1)
-        return slots[:, :kmax].to(self.device), mask.view(len(tables), 1, 1, kmax).to(self.device)
+        mask = torch.arange(width * bs).unsqueeze(0) < torch.tensor(ctx_lens).unsqueeze(1)
+        return padded.to(self.device), mask.view(len(tables), 1, 1, width * bs).to(self.device)
 
 
 class _ImageRows:

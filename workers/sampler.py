@@ -78,6 +78,7 @@ class SamplingTensors:
     needs_top_k: bool
     needs_top_p: bool
     min_ps: torch.Tensor | None = None  # [S], None when no row uses min-p
+    any_greedy: bool = True  # False lets the sampler skip the argmax (a full pass over [S, V])
     penalties: PenaltyTensors | None = None
     additive: tuple[list[int], list[int], list[float]] | None = None  # (rows, token ids, bias): bias and bans
     guided: GuidedMask | None = None  # set by the engine when some row is guided
@@ -99,6 +100,7 @@ class SamplingTensors:
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
             generators=generators,
             all_greedy=all(greedy),
+            any_greedy=any(greedy),
             needs_top_k=any(k < vocab_size for k, s in zip(top_ks, sampled) if s),
             needs_top_p=any(p < 1.0 for p, s in zip(top_ps, sampled) if s),
             min_ps=torch.tensor(min_ps, device=device) if any(min_ps) else None,
@@ -134,9 +136,11 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         """logits [S, V] float32 (left unchanged) -> sampled token ids [S]."""
         logits = self.process(logits, st)
-        greedy_tokens = logits.argmax(dim=-1)
         if st.all_greedy:
-            return greedy_tokens
+            return logits.argmax(dim=-1)
+        # The argmax is the costliest pass over [S, V] here (2.4 ms of 6 at 64 x 49k on 2 cores):
+        # only when a row needs it.
+        greedy_tokens = logits.argmax(dim=-1) if st.any_greedy else None
         logits = logits / st.temperatures.unsqueeze(1)
         if st.needs_top_k or st.needs_top_p:
             logits = self._apply_top_k_top_p(logits, st)
@@ -152,6 +156,8 @@ class Sampler:
         # it can never be chosen, and float rounding of the total cannot push past the end.
         targets = uniform.clamp_(min=1e-7) * cdf[:, -1]
         sampled = torch.searchsorted(cdf, targets.unsqueeze(1)).squeeze(1).clamp_(max=cdf.shape[1] - 1)
+        if not st.any_greedy:
+            return sampled
         return torch.where(st.greedy, greedy_tokens, sampled)
 
     @staticmethod
