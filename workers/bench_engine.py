@@ -36,6 +36,7 @@ import torch
 
 from workers.attention import register_paged_attention
 from workers.engine import EngineLimits, LLMEngine
+from workers.host_memory import keep_freed_memory
 from workers.model_loader import load_model
 from workers.sampling_params import GuidedDecoding, SamplingParams
 
@@ -372,6 +373,7 @@ def main(argv: list[str] | None = None) -> None:
     fair.add_argument("--prefill-cap", type=int, default=None,
                       help="max_prefill_tokens_while_decoding (default: none, the whole budget)")
     args = parser.parse_args(argv)
+    keep_freed_memory()  # as the CPU worker does (workers/host_memory.py)
     if args.command == "worker":
         asyncio.run(run_worker(args))  # loads the model on the engine thread itself
         return

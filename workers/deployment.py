@@ -16,6 +16,7 @@ from workers.async_engine import AsyncEngine
 from workers.attention import register_paged_attention
 from workers.config import ModelConfig
 from workers.engine import EngineLimits, LLMEngine
+from workers.host_memory import keep_freed_memory
 from workers.kv_sizing import resolve_kv_cache_bytes
 from workers.model_loader import LoadedModel, load_model
 from workers.protocol import GenerateRequest, GenerationChunk, ModelInfo, WorkerStats
@@ -44,6 +45,8 @@ def build_engine(config: ModelConfig) -> tuple[LLMEngine, LoadedModel]:
     """Load the model and build its engine. Call it on the thread that will run the engine
     (AsyncEngine.start_on_own_thread says why)."""
     _set_torch_threads(config)
+    if config.device == "cpu":
+        keep_freed_memory()
     attn = register_paged_attention()
     cache_dir = Path(config.cache_dir) if config.cache_dir else None
     loaded = load_model(config.source, config.device, config.dtype, cache_dir, attn_implementation=attn)
