@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test fuzz bench bench-cpu bench-prefix bench-fairness bench-ttft-overhead bench-gpu soak faults clean
+.PHONY: install serve serve-direct test fuzz bench bench-cpu bench-prefix bench-fairness bench-ttft-overhead bench-gpu soak faults clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -19,6 +19,13 @@ install: $(STAMP)
 
 serve: $(STAMP)
 	$(BIN)/serve run configs/default.yaml
+
+# The same, with Ray Serve's direct ingress: the ingress replica serves HTTP itself on port
+# 8001 (a second ingress replica on the node takes 8002, ...), skipping the proxy hop; the
+# proxy still answers on 8000. Needs a Ray started with these variables (serve run starts one).
+serve-direct: $(STAMP)
+	RAY_SERVE_ENABLE_DIRECT_INGRESS=1 RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=8001 \
+	RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=8100 $(BIN)/serve run configs/default.yaml
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -4,7 +4,9 @@
 # chatserve's engine offline at the same load (no Serve) and the raw model forward at
 # batch 1; ends with a side-by-side table (scripts/bench_summary.py).
 # Usage: scripts/bench_cpu_compare.sh [concurrency levels...]   (default: 1 16 32 64)
-# Env: MAX_TOKENS (64), BIN (.venv/bin), SKIP_CHATSERVE / SKIP_TRANSFORMERS / SKIP_ENGINE=1.
+# Env: MAX_TOKENS (64), BIN (.venv/bin), SKIP_CHATSERVE / SKIP_TRANSFORMERS / SKIP_ENGINE=1,
+# DIRECT_INGRESS=1 (chatserve as `make serve-direct` runs it: the client talks to the ingress
+# replica's own port 8001, no Serve proxy in the path).
 # Writes bench-results/{chatserve,transformers,engine}.json. Loopback only; bounded loops.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,11 +26,16 @@ wait_up() {  # url seconds
 }
 
 if [ -z "${SKIP_CHATSERVE:-}" ]; then
-  echo "== chatserve (serve run configs/default.yaml)"
+  URL=http://127.0.0.1:8000
+  if [ -n "${DIRECT_INGRESS:-}" ]; then
+    export RAY_SERVE_ENABLE_DIRECT_INGRESS=1 RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=8001 RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=8100
+    URL=http://127.0.0.1:8001
+  fi
+  echo "== chatserve (serve run configs/default.yaml, clients at $URL)"
   $BIN/serve run configs/default.yaml >"$OUT/chatserve.log" 2>&1 &
   SERVE_PID=$!; PIDS+=("$SERVE_PID")
-  wait_up http://127.0.0.1:8000 300
-  $BIN/python -m serve_app.bench --url http://127.0.0.1:8000 --concurrency $LEVELS \
+  wait_up "$URL" 300
+  $BIN/python -m serve_app.bench --url "$URL" --concurrency $LEVELS \
     --max-tokens "$MAX_TOKENS" --json "$OUT/chatserve.json"
   kill "$SERVE_PID"; wait "$SERVE_PID" 2>/dev/null || true
   $BIN/ray stop --force >/dev/null 2>&1 || true
