@@ -32,8 +32,9 @@ def main() -> None:
     args = tiny_app_args(write_tiny_model_dir(Path(tempfile.mkdtemp(prefix="chatserve-direct-")) / "tiny"))
     args["server"] = {"api_keys_env": "CHATSERVE_DIRECT_TEST_KEYS"}
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    proxy = f"http://127.0.0.1:{free_port()}"
-    serve.start(http_options={"host": "127.0.0.1", "port": int(proxy.rsplit(':', 1)[1])})
+    proxy_port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": proxy_port})
+    proxy = f"http://127.0.0.1:{proxy_port}"
     try:
         serve.run(build_app(args), name="direct", route_prefix="/", blocking=False)
         direct = f"http://127.0.0.1:{os.environ['RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT']}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 import pytest
@@ -22,24 +23,10 @@ def test_worker_mode_runs_the_load_through_the_request_path(tiny_model_dir, caps
 
 @pytest.mark.parametrize("concurrency", [1, 4])
 def test_worker_level_counts_every_token(tiny_model_dir, concurrency):
-    import asyncio
-
-    from workers.async_engine import AsyncEngine
-    from workers.model_loader import load_model
-    from workers.attention import register_paged_attention
-    from workers.request_processor import RequestProcessor
-
     async def run():
-        tokenizers = []
-
-        def build():
-            loaded = load_model(str(tiny_model_dir), attn_implementation=register_paged_attention())
-            tokenizers.append(loaded.tokenizer)
-            return bench_engine.new_engine(loaded.model, loaded.tokenizer)
-
-        engine = AsyncEngine.start_on_own_thread(build, asyncio.get_running_loop())
+        engine, processor = await bench_engine.start_worker(str(tiny_model_dir))
         try:
-            return await bench_engine.worker_level(RequestProcessor(engine, tokenizers[0]), "Hi", concurrency, 6, 5)
+            return await bench_engine.worker_level(processor, "Hi", concurrency, 6, 5)
         finally:
             engine.stop()
 

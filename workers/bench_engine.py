@@ -158,8 +158,15 @@ class OfflineReport:
     tpot_median_ms: float
     tpot_p99_ms: float
 
-    def line(self) -> str:
-        return (f"engine c={self.concurrency:<3} n={self.requests:<4} tok/s={self.output_tok_s:8.1f}  "
+    @classmethod
+    def of(cls, concurrency: int, requests: int, wall_s: float, tokens: int, ttfts_ms: list[float],
+           tpots_ms: list[float]) -> "OfflineReport":
+        return cls(concurrency, requests, wall_s, tokens / wall_s, statistics.median(ttfts_ms),
+                   percentile(ttfts_ms, 99), statistics.median(tpots_ms) if tpots_ms else float("nan"),
+                   percentile(tpots_ms, 99))
+
+    def line(self, label: str = "engine") -> str:
+        return (f"{label} c={self.concurrency:<3} n={self.requests:<4} tok/s={self.output_tok_s:8.1f}  "
                 f"TTFT med={self.ttft_median_ms:8.1f} ms p99={self.ttft_p99_ms:8.1f} ms  "
                 f"TPOT med={self.tpot_median_ms:7.1f} ms p99={self.tpot_p99_ms:7.1f} ms")
 
@@ -180,9 +187,7 @@ def offline_level(engine: LLMEngine, prompt_ids: list[int], concurrency: int, nu
     wall = time.perf_counter() - start
     ttfts = [(times[r][0] - added[r]) * 1000 for r in added]
     tpots = [(t[-1] - t[0]) / (len(t) - 1) * 1000 for t in times.values() if len(t) > 1]
-    return OfflineReport(concurrency, num_requests, wall, sum(len(t) for t in times.values()) / wall,
-                         statistics.median(ttfts), percentile(ttfts, 99),
-                         statistics.median(tpots) if tpots else float("nan"), percentile(tpots, 99))
+    return OfflineReport.of(concurrency, num_requests, wall, sum(len(t) for t in times.values()), ttfts, tpots)
 
 
 def run_offline(args, loaded) -> None:
@@ -231,33 +236,36 @@ async def worker_level(processor, prompt: str, concurrency: int, num_requests: i
 
     start = time.perf_counter()
     await asyncio.gather(*(one(i) for i in range(num_requests)))
-    wall = time.perf_counter() - start
-    return OfflineReport(concurrency, num_requests, wall, tokens / wall, statistics.median(ttfts),
-                         percentile(ttfts, 99), statistics.median(tpots) if tpots else float("nan"),
-                         percentile(tpots, 99))
+    return OfflineReport.of(concurrency, num_requests, time.perf_counter() - start, tokens, ttfts, tpots)
 
 
-async def run_worker(args) -> None:
+async def start_worker(source: str, threads: int | None = None):
+    """(AsyncEngine, RequestProcessor) as the deployment builds them: the model loaded on
+    the engine's own thread. The caller stops the engine."""
     from workers.async_engine import AsyncEngine
     from workers.request_processor import RequestProcessor
 
     tokenizers = []
 
-    def build() -> LLMEngine:  # on the engine thread, as the deployment does
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        loaded = load_model(args.source, attn_implementation=register_paged_attention())
+    def build() -> LLMEngine:
+        if threads:
+            torch.set_num_threads(threads)
+        loaded = load_model(source, attn_implementation=register_paged_attention())
         tokenizers.append(loaded.tokenizer)
         return new_engine(loaded.model, loaded.tokenizer)
 
     engine = AsyncEngine.start_on_own_thread(build, asyncio.get_running_loop())
-    processor = RequestProcessor(engine, tokenizers[0])
+    return engine, RequestProcessor(engine, tokenizers[0])
+
+
+async def run_worker(args) -> None:
+    engine, processor = await start_worker(args.source, args.threads)
     try:
         await worker_level(processor, args.prompt, 1, 2, 4)  # warm-up
         for concurrency in args.concurrency:
             n = args.num_requests or max(8, 2 * concurrency)
             report = await worker_level(processor, args.prompt, concurrency, n, args.max_tokens)
-            print(report.line().replace("engine", "worker", 1), flush=True)
+            print(report.line("worker"), flush=True)
     finally:
         engine.stop()
 
