@@ -35,6 +35,9 @@ def tiny_app_args(model_dir, **engine) -> dict:
         "models": [{
             "id": TINY_MODEL_ID,
             "source": str(model_dir),
+            # The tests' references are float32 transformers runs; `auto` would pick
+            # bfloat16 on a CPU with AMX (test_cpu_linear.py covers that path).
+            "dtype": "float32",
             "engine": engine_config,
             "deployment": {"max_ongoing_requests": 64, "ray_actor_options": {"num_cpus": 0}},
         }],

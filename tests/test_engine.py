@@ -393,6 +393,40 @@ def test_request_processor_usage_and_text(tiny_model, paged_model, tiny_tokenize
     assert engine.blocks.num_used_blocks == 0
 
 
+def test_stream_interval_batches_tokens_after_the_first(paged_model, tiny_tokenizer):
+    """With stream_interval 3 the first token still goes out alone and at once; later
+    chunks carry at least 3 tokens (more when the consumer lags), the last the remainder;
+    the tokens, text and usage equal the token-by-token stream's."""
+    text = "Hi there, what is the capital of France?"
+
+    def run(interval: int, **params):
+        async def body(aengine):
+            processor = RequestProcessor(aengine, tiny_tokenizer, stream_interval=interval)
+            chunks = [c async for c in processor.generate(_chat_request(text, 11, ignore_eos=True, **params))]
+            await _wait_idle(aengine.engine)
+            return chunks
+
+        engine = make_engine(paged_model, max_model_len=256)
+        chunks = asyncio.run(_with_async_engine(engine, body))
+        assert engine.blocks.num_used_blocks == 0 and engine.num_active == 0
+        return chunks
+
+    one, three = run(1), run(3)
+    assert [t for c in three for t in c.token_ids] == [t for c in one for t in c.token_ids]
+    assert "".join(c.text for c in three) == "".join(c.text for c in one)
+    assert len(three[0].token_ids) == 1 and three[0].prefill_time_ms is not None
+    assert all(len(c.token_ids) >= 3 for c in three[1:-1])
+    assert len(three) <= 1 + -(-10 // 3)
+    assert three[-1].finish_reason == "length" and three[-1].completion_tokens == 11
+    assert sum(len(c.decode_times_ms) for c in three) == 10
+    # n = 2: the interval counts per choice; each choice's tokens equal the unbatched stream's.
+    two = run(3, n=2)
+    by_choice = {i: [t for c in two if c.index == i for t in c.token_ids] for i in (0, 1)}
+    assert [len(v) for v in by_choice.values()] == [11, 11]
+    unbatched = run(1, n=2)
+    assert by_choice == {i: [t for c in unbatched if c.index == i for t in c.token_ids] for i in (0, 1)}
+
+
 def test_request_processor_stop_string_ends_request(paged_model, tiny_tokenizer):
     text = "Tell me about Paris."
 

@@ -13,6 +13,7 @@ from transformers import AutoModelForImageTextToText
 
 from tests.tiny_vlm import TOKENS_PER_IMAGE, png_bytes, png_declaring, write_tiny_vlm_dir
 from workers.async_engine import AsyncEngine
+from workers.cpu_linear import PackedLinear
 from workers.engine import EngineLimits, LLMEngine
 from workers.kv_cache import KVCacheShape
 from workers.model_loader import load_model
@@ -42,7 +43,7 @@ def vlm_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def paged_vlm(vlm_dir, paged_attn_name):
     """The worker's loader: paged attention on the language model, SDPA on the vision tower."""
-    loaded = load_model(str(vlm_dir), attn_implementation=paged_attn_name)
+    loaded = load_model(str(vlm_dir), dtype="float32", attn_implementation=paged_attn_name)  # as the references
     assert loaded.model.config.text_config._attn_implementation == paged_attn_name
     assert loaded.model.config.vision_config._attn_implementation == "sdpa"
     return loaded
@@ -128,6 +129,28 @@ def test_image_request_matches_transformers_generate(paged_vlm, reference_vlm, p
     out = run(engine)
     assert out[ids[RED]] == expected[RED]
     assert out[ids[BLUE]] == expected[BLUE]
+
+
+@pytest.mark.skipif(not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+                    reason="this CPU has no oneDNN bfloat16 kernels")
+def test_bfloat16_vision_model_with_packed_weights(vlm_dir, paged_attn_name, prompts):
+    """The loader packs a bfloat16 vision-language model's linear layers (vision tower and
+    projector included): image requests run and answer as the plain bfloat16 model does."""
+    answers = []
+    for pack in (False, True):
+        loaded = load_model(str(vlm_dir), dtype="bfloat16", attn_implementation=paged_attn_name,
+                            pack_cpu_weights=pack)
+        assert any(isinstance(m, PackedLinear) for m in loaded.model.modules()) == pack
+        engine = make_engine(loaded.model)
+        ids = {}
+        for color in (RED, BLUE):
+            prompt, images = built(prompts, image_request(color))
+            ids[color] = engine.add_request(prompt, greedy(8), images=images)
+        out = run(engine)
+        answers.append({color: out[i] for color, i in ids.items()})
+        assert engine.blocks.num_used_blocks == 0
+    assert answers[0] == answers[1]
+    assert all(len(tokens) == 8 for tokens in answers[1].values())
 
 
 def test_image_split_across_prefill_chunks(paged_vlm, reference_vlm, prompts):

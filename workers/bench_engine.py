@@ -239,7 +239,7 @@ async def worker_level(processor, prompt: str, concurrency: int, num_requests: i
     return OfflineReport.of(concurrency, num_requests, time.perf_counter() - start, tokens, ttfts, tpots)
 
 
-async def start_worker(source: str, threads: int | None = None):
+async def start_worker(source: str, threads: int | None = None, dtype: str = "auto", pack: bool = True):
     """(AsyncEngine, RequestProcessor) as the deployment builds them: the model loaded on
     the engine's own thread. The caller stops the engine."""
     from workers.async_engine import AsyncEngine
@@ -250,7 +250,8 @@ async def start_worker(source: str, threads: int | None = None):
     def build() -> LLMEngine:
         if threads:
             torch.set_num_threads(threads)
-        loaded = load_model(source, attn_implementation=register_paged_attention())
+        loaded = load_model(source, dtype=dtype, attn_implementation=register_paged_attention(),
+                            pack_cpu_weights=pack)
         tokenizers.append(loaded.tokenizer)
         return new_engine(loaded.model, loaded.tokenizer)
 
@@ -259,7 +260,7 @@ async def start_worker(source: str, threads: int | None = None):
 
 
 async def run_worker(args) -> None:
-    engine, processor = await start_worker(args.source, args.threads)
+    engine, processor = await start_worker(args.source, args.threads, args.dtype, not args.no_pack)
     try:
         await worker_level(processor, args.prompt, 1, 2, 4)  # warm-up
         for concurrency in args.concurrency:
@@ -352,6 +353,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--source", default="builtin:smollm2-135m-instruct")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="as the model config's dtype (auto: workers/model_loader.py picks)")
+    parser.add_argument("--no-pack", action="store_true", help="bfloat16 on CPU: plain torch linear layers, as "
+                        "transformers runs them (default: oneDNN-packed weights, as the worker loads them)")
     sub = parser.add_subparsers(dest="command", required=True)
     decode = sub.add_parser("decode", help="decode step: engine vs raw HF forward (the raw model-forward rate)")
     decode.add_argument("--batch", type=int, nargs="+", default=[1, 16, 32])
@@ -387,7 +392,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.source)
+    loaded = load_model(args.source, dtype=args.dtype, pack_cpu_weights=not args.no_pack)
     if args.command != "decode":
         loaded.model.set_attn_implementation(register_paged_attention())
     {"decode": run_decode, "offline": run_offline, "prefix": run_prefix, "fairness": run_fairness}[args.command](

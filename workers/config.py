@@ -32,6 +32,9 @@ class EngineConfig(_Strict):
     first_token_timeout_s: float | None = Field(None, gt=0, description="end a request with no token by then")
     request_timeout_s: float | None = Field(None, gt=0, description="end a request still running by then")
     step_hang_timeout_s: float = Field(120, gt=0, description="a model step running longer fails the health check")
+    stream_interval: int = Field(
+        1, ge=1, le=64, description="tokens per streamed chunk after the first (as vLLM's --stream-interval): "
+        "larger sends fewer messages through Serve, in bursts")
 
 
 class AutoscalingConfig(_Strict):
@@ -75,7 +78,10 @@ class ModelConfig(_Strict):
         description="a transformers model directory, a .gguf file, or " + BUILTIN_DEFAULT_MODEL,
     )
     device: Literal["cpu", "cuda"] = "cpu"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: bfloat16 on CPUs with AMX, else float32; the checkpoint's own on CUDA")
+    pack_cpu_weights: bool = Field(
+        True, description="bfloat16 on CPU: pack linear weights for oneDNN once at load (same numbers, faster)")
     engine: EngineConfig = EngineConfig()
     deployment: DeploymentConfig = DeploymentConfig()
     cache_dir: str | None = Field(None, description="where converted models are kept")

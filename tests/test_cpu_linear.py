@@ -1,0 +1,90 @@
+"""bfloat16 CPU models with oneDNN-packed linear weights (workers/cpu_linear.py), and the
+dtype `auto` picks (workers/model_loader.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.test_engine import make_engine, run_to_completion
+from workers import model_loader
+from workers.cpu_linear import PackedLinear, can_pack, pack_linear_layers
+from workers.sampling_params import SamplingParams
+
+needs_onednn_bf16 = pytest.mark.skipif(
+    not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+    reason="this CPU has no oneDNN bfloat16 kernels",
+)
+
+
+@needs_onednn_bf16
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(1, 64), (7, 64), (1, 5, 64), (3, 9, 64)])
+def test_packed_linear_equals_plain_bfloat16_linear(shape, bias):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96, bias=bias).to(torch.bfloat16)
+    x = torch.randn(shape, dtype=torch.bfloat16)
+    expected = torch.nn.functional.linear(x, linear.weight, linear.bias)
+    packed = PackedLinear(linear)
+    got = packed(x)
+    assert got.shape == expected.shape and got.dtype == torch.bfloat16
+    # Both accumulate in float32 and round once: at most one bfloat16 step apart.
+    assert torch.allclose(got.float(), expected.float(), rtol=2**-7, atol=1e-2)
+    assert packed.weight.shape == linear.weight.shape and packed.weight.is_meta
+    # A non-contiguous input (a transposed view) gives the same numbers.
+    xt = x.transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert torch.equal(packed(xt), got)
+
+
+@needs_onednn_bf16
+def test_packing_a_bfloat16_model_keeps_its_logits(tiny_model):
+    model = copy.deepcopy(tiny_model).to(torch.bfloat16)
+    linears = sum(type(m) is torch.nn.Linear for m in model.modules())
+    ids = torch.tensor([[5, 9, 13, 2, 7, 11, 3]])
+    with torch.inference_mode():
+        before = model(ids).logits
+    assert pack_linear_layers(model) == linears > 0
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    assert model.get_output_embeddings().weight.shape[0] == before.shape[-1]
+    with torch.inference_mode():
+        after = model(ids).logits
+    assert torch.allclose(after.float(), before.float(), rtol=2**-6, atol=2e-2)
+    assert torch.equal(after.argmax(-1), before.argmax(-1))
+
+
+def test_float32_models_are_not_packed(tiny_model):
+    model = copy.deepcopy(tiny_model)
+    assert not can_pack(model)
+    assert pack_linear_layers(model) == 0
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+
+
+@needs_onednn_bf16
+def test_engine_output_is_the_same_packed_or_not(tiny_model, paged_attn_name):
+    """Greedy engine output of a bfloat16 model, batched with chunked prefill, is identical
+    with packed and with plain weights."""
+    plain = copy.deepcopy(tiny_model).to(torch.bfloat16)
+    plain.set_attn_implementation(paged_attn_name)
+    packed = copy.deepcopy(plain)
+    assert pack_linear_layers(packed) > 0
+    outputs = []
+    for model in (plain, packed):
+        engine = make_engine(model, max_num_batched_tokens=16)
+        for i in range(4):
+            engine.add_request(list(range(3 + i, 30 + 3 * i)), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+        events = run_to_completion(engine)
+        outputs.append({rid: [e.token_id for e in evs] for rid, evs in events.items()})
+        assert engine.blocks.num_used_blocks == 0
+    assert outputs[0] == outputs[1]
+    assert all(len(tokens) == 12 for tokens in outputs[0].values())
+
+
+@pytest.mark.parametrize(("native", "expected"), [(True, torch.bfloat16), (False, torch.float32)])
+def test_auto_dtype_on_cpu_follows_the_matrix_unit(monkeypatch, native, expected):
+    monkeypatch.setattr(model_loader, "has_native_bf16_matmul", lambda: native)
+    assert model_loader.resolve_dtype("auto", "cpu") == expected
+    assert model_loader.resolve_dtype("float32", "cpu") == torch.float32
+    assert model_loader.resolve_dtype("bfloat16", "cpu") == torch.bfloat16
+    assert model_loader.resolve_dtype("auto", "cuda") == "auto"
