@@ -2,10 +2,11 @@
 
 `torch.nn.functional.linear` in bfloat16 on CPU reorders the weight into oneDNN's blocked
 layout on every call; a decode step calls it ~200 times. Reordering once at load time
-(what torch.compile's CPU freezing and IPEX do) makes each call 1.6-2.5x faster on this
-AMX machine, and a decode step of the default model 1.4x (batch 1) to 2x (batch 64)
-faster than plain bfloat16 (docs/BENCHMARKS.md, "bfloat16 with packed weights"). The
-results are the same numbers plain bfloat16 gives: both accumulate in float32.
+(what torch.compile's CPU freezing and IPEX do) makes each call 1.5-2.8x faster on this
+AMX machine; the default model's decode step is 1.2-1.4x faster than plain bfloat16 and
+1.2x (batch 1) to 2.3x (batch 64) faster than float32 (docs/BENCHMARKS.md, "bfloat16 on
+this CPU"). The results are plain bfloat16's: both accumulate in float32. A weight tied
+to the input embedding is packed as a copy (the embedding keeps its own).
 """
 
 from __future__ import annotations
