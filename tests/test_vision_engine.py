@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText
 
+from tests.test_cpu_linear import needs_onednn_bf16
 from tests.tiny_vlm import TOKENS_PER_IMAGE, png_bytes, png_declaring, write_tiny_vlm_dir
 from workers.async_engine import AsyncEngine
 from workers.cpu_linear import PackedLinear
@@ -121,18 +122,22 @@ def test_prompt_expands_one_placeholder_per_feature(prompts, paged_vlm):
 def test_image_request_matches_transformers_generate(paged_vlm, reference_vlm, prompts):
     expected = {color: reference(reference_vlm, prompts, image_request(color), 8) for color in (RED, BLUE)}
     assert expected[RED] != expected[BLUE]  # the image changes the answer: features are not ignored
-    engine = make_engine(paged_vlm.model)
+    assert answers_in_one_batch(paged_vlm.model, prompts, 8) == expected
+
+
+def answers_in_one_batch(model, prompts: VisionPromptBuilder, n: int) -> dict[bytes, list[int]]:
+    """Greedy answers to the red and the blue image request, run side by side in one engine."""
+    engine = make_engine(model)
     ids = {}
     for color in (RED, BLUE):
         prompt, images = built(prompts, image_request(color))
-        ids[color] = engine.add_request(prompt, greedy(8), images=images)
+        ids[color] = engine.add_request(prompt, greedy(n), images=images)
     out = run(engine)
-    assert out[ids[RED]] == expected[RED]
-    assert out[ids[BLUE]] == expected[BLUE]
+    assert engine.blocks.num_used_blocks == 0
+    return {color: out[i] for color, i in ids.items()}
 
 
-@pytest.mark.skipif(not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
-                    reason="this CPU has no oneDNN bfloat16 kernels")
+@needs_onednn_bf16
 def test_bfloat16_vision_model_with_packed_weights(vlm_dir, paged_attn_name, prompts):
     """The loader packs a bfloat16 vision-language model's linear layers (vision tower and
     projector included): image requests run and answer as the plain bfloat16 model does."""
@@ -140,15 +145,9 @@ def test_bfloat16_vision_model_with_packed_weights(vlm_dir, paged_attn_name, pro
     for pack in (False, True):
         loaded = load_model(str(vlm_dir), dtype="bfloat16", attn_implementation=paged_attn_name,
                             pack_cpu_weights=pack)
-        assert any(isinstance(m, PackedLinear) for m in loaded.model.modules()) == pack
-        engine = make_engine(loaded.model)
-        ids = {}
-        for color in (RED, BLUE):
-            prompt, images = built(prompts, image_request(color))
-            ids[color] = engine.add_request(prompt, greedy(8), images=images)
-        out = run(engine)
-        answers.append({color: out[i] for color, i in ids.items()})
-        assert engine.blocks.num_used_blocks == 0
+        packed = [name for name, m in loaded.model.named_modules() if isinstance(m, PackedLinear)]
+        assert bool(packed) == pack and (not pack or any("vision" in name for name in packed))
+        answers.append(answers_in_one_batch(loaded.model, prompts, 8))
     assert answers[0] == answers[1]
     assert all(len(tokens) == 8 for tokens in answers[1].values())
 
