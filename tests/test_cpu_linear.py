@@ -88,3 +88,29 @@ def test_auto_dtype_on_cpu_follows_the_matrix_unit(monkeypatch, native, expected
     assert model_loader.resolve_dtype("float32", "cpu") == torch.float32
     assert model_loader.resolve_dtype("bfloat16", "cpu") == torch.bfloat16
     assert model_loader.resolve_dtype("auto", "cuda") == "auto"
+
+
+@pytest.mark.parametrize(("dtype", "pack"), [("float32", True), ("bfloat16", True), ("bfloat16", False)])
+def test_worker_reports_its_dtype_and_packing(tiny_model_dir, dtype, pack):
+    """The deployment's path: model config -> loader -> packing; `info()` says what runs, and
+    the worker's request path gets the configured stream interval."""
+    import asyncio
+
+    from workers.deployment import ModelWorker
+
+    if dtype == "bfloat16" and pack and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("this CPU has no oneDNN bfloat16 kernels")
+    config = {"id": "tiny", "source": str(tiny_model_dir), "dtype": dtype, "pack_cpu_weights": pack,
+              "engine": {"kv_cache_memory_gib": 0.001, "torch_threads": 1, "stream_interval": 3}}
+
+    async def body():
+        worker = ModelWorker.func_or_class(config)
+        try:
+            return worker.info(), worker.processor.stream_interval
+        finally:
+            worker.engine.stop()
+
+    info, interval = asyncio.run(body())
+    assert info.dtype == dtype and interval == 3
+    linears = 2 * 7 + 1  # the tiny Llama: 2 layers x (q, k, v, o, gate, up, down) + the LM head
+    assert info.packed_linear_layers == (linears if dtype == "bfloat16" and pack else 0)

@@ -19,6 +19,7 @@ from workers.engine import EngineLimits, LLMEngine
 from workers.host_memory import keep_freed_memory
 from workers.kv_sizing import resolve_kv_cache_bytes
 from workers.model_loader import LoadedModel, load_model
+from workers.cpu_linear import PackedLinear
 from workers.protocol import GenerateRequest, GenerationChunk, ModelInfo, WorkerStats
 from workers.request_processor import RequestProcessor, Timeouts
 from workers.vision_prompts import VisionPromptBuilder
@@ -118,6 +119,8 @@ class ModelWorker:
             kv_cache_blocks=core.blocks.num_blocks,
             block_size=core.blocks.block_size,
             accepts_images=self.processor.vision is not None,
+            dtype=str(core.runner.model.dtype).removeprefix("torch."),
+            packed_linear_layers=sum(isinstance(m, PackedLinear) for m in core.runner.model.modules()),
         )
 
     def stats(self) -> WorkerStats:

@@ -115,6 +115,8 @@ class ModelInfo:
     kv_cache_blocks: int
     block_size: int
     accepts_images: bool = False  # a vision-language model
+    dtype: str = ""  # what the weights run in (`auto` resolved), e.g. "bfloat16"
+    packed_linear_layers: int = 0  # bfloat16 on CPU: layers with oneDNN-packed weights
 
 
 @dataclass(frozen=True)
