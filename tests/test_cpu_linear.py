@@ -10,13 +10,10 @@ import torch
 
 from tests.test_engine import make_engine, run_to_completion
 from workers import model_loader
-from workers.cpu_linear import PackedLinear, can_pack, pack_linear_layers
+from workers.cpu_linear import PackedLinear, onednn_bf16_available, pack_linear_layers
 from workers.sampling_params import SamplingParams
 
-needs_onednn_bf16 = pytest.mark.skipif(
-    not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
-    reason="this CPU has no oneDNN bfloat16 kernels",
-)
+needs_onednn_bf16 = pytest.mark.skipif(not onednn_bf16_available(), reason="this CPU has no oneDNN bfloat16 kernels")
 
 
 @needs_onednn_bf16
@@ -56,9 +53,21 @@ def test_packing_a_bfloat16_model_keeps_its_logits(tiny_model):
 
 def test_float32_models_are_not_packed(tiny_model):
     model = copy.deepcopy(tiny_model)
-    assert not can_pack(model)
     assert pack_linear_layers(model) == 0
     assert not any(isinstance(m, PackedLinear) for m in model.modules())
+
+
+@needs_onednn_bf16
+def test_layers_kept_in_another_dtype_are_not_packed(tiny_model):
+    """A bfloat16 model that keeps its LM head in float32 (as some checkpoints keep layers
+    out of the main dtype) gets every layer packed but that one, and still runs."""
+    model = copy.deepcopy(tiny_model).to(torch.bfloat16)
+    model.lm_head.float()
+    linears = sum(type(m) is torch.nn.Linear for m in model.modules())
+    assert pack_linear_layers(model) == linears - 1
+    assert type(model.lm_head) is torch.nn.Linear
+    hidden = model.model(torch.tensor([[5, 9, 13]])).last_hidden_state
+    assert model.lm_head(hidden.float()).dtype == torch.float32
 
 
 @needs_onednn_bf16
@@ -98,7 +107,7 @@ def test_worker_reports_its_dtype_and_packing(tiny_model_dir, dtype, pack):
 
     from workers.deployment import ModelWorker
 
-    if dtype == "bfloat16" and pack and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if dtype == "bfloat16" and pack and not onednn_bf16_available():
         pytest.skip("this CPU has no oneDNN bfloat16 kernels")
     config = {"id": "tiny", "source": str(tiny_model_dir), "dtype": dtype, "pack_cpu_weights": pack,
               "engine": {"kv_cache_memory_gib": 0.001, "torch_threads": 1, "stream_interval": 3}}

@@ -22,15 +22,15 @@ def has_native_bf16_matmul() -> bool:
     return bool(torch.backends.mkldnn.is_available() and torch.cpu._is_amx_tile_supported())
 
 
-def can_pack(model: nn.Module) -> bool:
-    params = next(model.parameters(), None)
-    return (
-        params is not None
-        and params.device.type == "cpu"
-        and params.dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
+def onednn_bf16_available() -> bool:
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _packable(module: nn.Module) -> bool:
+    """A plain nn.Linear with a bfloat16 weight on the CPU. Subclasses are left alone (they
+    may compute differently), and so are layers a model keeps in another dtype."""
+    return (type(module) is nn.Linear and module.weight.device.type == "cpu"
+            and module.weight.dtype == torch.bfloat16)
 
 
 class PackedLinear(nn.Module):
@@ -55,15 +55,14 @@ class PackedLinear(nn.Module):
 
 
 def pack_linear_layers(model: nn.Module) -> int:
-    """Swap every plain `nn.Linear` of a bfloat16 CPU model for a PackedLinear, in place.
-    Returns how many were swapped (0 when the model is not bfloat16 on a oneDNN CPU).
-    Subclasses of nn.Linear are left alone: they may compute differently."""
-    if not can_pack(model):
+    """Swap every plain bfloat16 CPU `nn.Linear` of `model` for a PackedLinear, in place.
+    Returns how many were swapped (0 for a float32 or CUDA model, or without oneDNN)."""
+    if not onednn_bf16_available():
         return 0
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
+            if _packable(child):
                 setattr(parent, name, PackedLinear(child))
                 swapped += 1
     return swapped
