@@ -427,6 +427,33 @@ def test_stream_interval_batches_tokens_after_the_first(paged_model, tiny_tokeni
     assert by_choice == {i: [t for c in unbatched if c.index == i for t in c.token_ids] for i in (0, 1)}
 
 
+def test_a_failure_goes_out_at_once_after_the_tokens_before_it(paged_model, tiny_tokenizer):
+    """With a stream interval of 8, a request whose fourth step fails still gets its first
+    three tokens, then the error, without waiting for the interval to fill."""
+    engine = make_engine(paged_model, max_model_len=256)
+    sampler, calls = engine.sampler, [0]
+
+    def failing_from_the_fourth_call(logits, tensors):
+        calls[0] += 1
+        if calls[0] >= 4:  # also the engine's one-at-a-time retry of the failed step
+            raise RuntimeError("injected sampling failure")
+        return sampler(logits, tensors)
+
+    engine.sampler = failing_from_the_fourth_call
+
+    async def body(aengine):
+        processor = RequestProcessor(aengine, tiny_tokenizer, stream_interval=8)
+        chunks = [c async for c in processor.generate(_chat_request("Hi there", 20, ignore_eos=True))]
+        await _wait_idle(aengine.engine)
+        return chunks
+
+    chunks = asyncio.run(_with_async_engine(engine, body))
+    assert chunks[-1].error is not None and chunks[-1].error.code == "engine_error"
+    assert all(c.error is None for c in chunks[:-1])
+    assert sum(len(c.token_ids) for c in chunks) == 3
+    assert engine.blocks.num_used_blocks == 0 and engine.num_active == 0
+
+
 def test_request_processor_stop_string_ends_request(paged_model, tiny_tokenizer):
     text = "Tell me about Paris."
 

@@ -15,15 +15,15 @@ import torch
 from torch import nn
 
 
+def onednn_bf16_available() -> bool:
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def has_native_bf16_matmul() -> bool:
     """True on CPUs with AMX tiles (Sapphire Rapids and later), where bfloat16 matmuls run
     on the matrix unit: there bfloat16 beats float32 at every batch size. Elsewhere
     bfloat16 is emulated or vector-only, and float32 stays the safe default."""
-    return bool(torch.backends.mkldnn.is_available() and torch.cpu._is_amx_tile_supported())
-
-
-def onednn_bf16_available() -> bool:
-    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return onednn_bf16_available() and bool(torch.cpu._is_amx_tile_supported())
 
 
 def _packable(module: nn.Module) -> bool:

@@ -15,11 +15,11 @@ from ray import serve
 from workers.async_engine import AsyncEngine
 from workers.attention import register_paged_attention
 from workers.config import ModelConfig
+from workers.cpu_linear import PackedLinear
 from workers.engine import EngineLimits, LLMEngine
 from workers.host_memory import keep_freed_memory
 from workers.kv_sizing import resolve_kv_cache_bytes
 from workers.model_loader import LoadedModel, load_model
-from workers.cpu_linear import PackedLinear
 from workers.protocol import GenerateRequest, GenerationChunk, ModelInfo, WorkerStats
 from workers.request_processor import RequestProcessor, Timeouts
 from workers.vision_prompts import VisionPromptBuilder

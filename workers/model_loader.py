@@ -124,11 +124,11 @@ def load_model(
     for oneDNN once (workers/cpu_linear.py); the numbers are unchanged, the matmuls faster."""
     path = prepare_model_dir(source, cache_dir)
     config = AutoConfig.from_pretrained(path)
+    kwargs = {"dtype": resolve_dtype(dtype, device)}
     if getattr(config, "vision_config", None) is not None:
-        loaded = _load_vision_language(path, device, _dtype_kwargs(dtype, device), config, attn_implementation)
+        loaded = _load_vision_language(path, device, kwargs, config, attn_implementation)
     else:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        kwargs = _dtype_kwargs(dtype, device)
         if attn_implementation:
             kwargs["attn_implementation"] = attn_implementation
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
@@ -150,10 +150,6 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype | str:
     if device == "cpu":
         return torch.bfloat16 if has_native_bf16_matmul() else torch.float32
     return "auto"
-
-
-def _dtype_kwargs(dtype: str, device: str) -> dict:
-    return {"dtype": resolve_dtype(dtype, device)}
 
 
 def _load_vision_language(path: Path, device: str, kwargs: dict, config, attn_implementation: str | None) -> LoadedModel:

@@ -92,14 +92,15 @@ class RequestProcessor:
         try:
             while not stream.finished:
                 try:
-                    pending += await stream.next(self.timeouts.remaining(arrival, usage.completion_tokens > 0))
+                    arrived = await stream.next(self.timeouts.remaining(arrival, usage.completion_tokens > 0))
                 except TimeoutError:
                     for chunk in self._chunks(pending, states, usage):
                         yield chunk
                     yield self._timeout_error(usage.completion_tokens > 0)
                     return
-                if len(pending) < batch_size and not _must_send(pending, stream.finished, usage):
-                    continue
+                pending += arrived
+                if len(pending) < batch_size and not _must_send(arrived, stream.finished, usage):
+                    continue  # (events held before were checked when they arrived)
                 events, pending = pending, []
                 for chunk in self._chunks(events, states, usage):
                     yield chunk
@@ -135,12 +136,15 @@ class RequestProcessor:
         return GenerationChunk(error=ErrorInfo(504, message, type="timeout_error", code=code))
 
     def _chunks(self, events: list[TokenEvent], states: list["_OutputState"], usage: "_Usage") -> list[GenerationChunk]:
-        """One chunk per choice that has news in this batch of events, in choice order."""
-        failed = next((e for e in events if e.error is not None), None)
+        """One chunk per choice that has news in this batch of events, in choice order. A
+        failure ends the request, after the tokens that came before it (a batch can hold
+        both: held back by the stream interval, or queued while the loop was busy)."""
+        failed = next((i for i, e in enumerate(events) if e.error is not None), None)
         if failed is not None:
+            chunks = self._chunks(events[:failed], states, usage)
             for state in states:
                 state.finished = True
-            return [_step_error(failed)]
+            return chunks + [_step_error(events[failed])]
         by_choice: dict[int, list[TokenEvent]] = {}
         for event in events:
             by_choice.setdefault(event.index, []).append(event)
@@ -183,10 +187,10 @@ def _prompt_size(request: GenerateRequest) -> int:
                for m in request.messages or ())
 
 
-def _must_send(pending: list[TokenEvent], finished: bool, usage: "_Usage") -> bool:
+def _must_send(arrived: list[TokenEvent], finished: bool, usage: "_Usage") -> bool:
     """Events that go out at once whatever the stream interval: the first token (no timer
     on the time to first token), the request's end, and a failure."""
-    return usage.completion_tokens == 0 or finished or any(e.error is not None for e in pending)
+    return usage.completion_tokens == 0 or finished or any(e.error is not None for e in arrived)
 
 
 def _step_error(failed: TokenEvent) -> GenerationChunk:
