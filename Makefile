@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve serve-direct test fuzz bench bench-cpu bench-prefix bench-fairness bench-ttft-overhead bench-gpu soak faults clean
+.PHONY: install serve serve-direct test test-gpu fuzz bench bench-cpu bench-prefix bench-fairness bench-ttft-overhead bench-gpu soak faults clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -29,6 +29,11 @@ serve-direct: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# On a CUDA machine: the Triton decode kernel on the device, decode CUDA graphs == eager ==
+# transformers, graphs under preemption (tests/test_gpu.py; `make test` skips them without a GPU).
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest -q tests/test_gpu.py tests/test_triton_attention.py
 
 bench: $(STAMP)
 	$(BIN)/python -m serve_app.bench --url http://127.0.0.1:8000 --concurrency 1 16 32 --num-requests 64 --max-tokens 64

@@ -5,8 +5,10 @@ explicit position ids, and passes an `AttentionMetadata` through the model's for
 kwargs. Each attention layer then calls `paged_attention`, which
 1. writes the new tokens' K/V into their cache slots, and
 2. attends each query token to its own sequence's cached context only.
-Decode tokens (one query each) are attended in one batched SDPA call over a padded
-gather of their context; prefill chunks are attended one sequence at a time.
+Decode tokens (one query each) are attended in one batch: on CUDA with Triton by a
+paged kernel that reads each context straight from the cache (triton_attention.py; it
+also runs inside the decode CUDA graphs), elsewhere by one SDPA call over a padded gather
+of their context. Prefill chunks are attended one sequence at a time.
 Because the hook is transformers' own `AttentionInterface`, every causal LM that
 transformers defines runs on this cache without a model rewrite.
 """
@@ -21,6 +23,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from workers.kv_cache import PagedKVCache
+from workers.triton_attention import paged_decode_attention
 
 ATTN_IMPLEMENTATION = "chatserve_paged"
 
@@ -41,8 +44,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T]: cache slot of each packed token
     num_decode_tokens: int  # the first `num_decode_tokens` packed tokens are decodes
     decode_blocks: torch.Tensor | None  # [D, W]: each decode sequence's block table, padded to W blocks
-    decode_mask: torch.Tensor | None  # [D, 1, 1, W * block_size] bool: its context, not the padding
+    decode_mask: torch.Tensor | None  # [D, 1, 1, W * block_size] bool: its context, not the padding (SDPA path)
     prefills: list[PrefillSpan]
+    decode_context_lens: torch.Tensor | None = None  # [D] int32: set for the Triton path (then no mask)
 
 
 def paged_attention(
@@ -66,7 +70,12 @@ def paged_attention(
     q = query[0]  # [H, T, Dh]
     out = q.new_empty(q.shape[1], q.shape[0], q.shape[2])  # [T, H, Dh]
     num_decode = meta.num_decode_tokens
-    if num_decode:
+    if num_decode and meta.decode_context_lens is not None:
+        paged_decode_attention(
+            q[:, :num_decode].transpose(0, 1), k_cache, v_cache, meta.decode_blocks, meta.decode_context_lens,
+            meta.kv_cache.block_size, scaling if scaling is not None else q.shape[-1] ** -0.5, out=out[:num_decode],
+        )
+    elif num_decode:
         qd = q[:, :num_decode].transpose(0, 1).unsqueeze(2)  # [D, H, 1, Dh]
         kd = _gather_blocks(k_cache, meta.decode_blocks, meta.kv_cache.block_size)  # [D, KVH, W*bs, Dh]
         vd = _gather_blocks(v_cache, meta.decode_blocks, meta.kv_cache.block_size)

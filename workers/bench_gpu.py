@@ -13,9 +13,13 @@ floor for that step: (weights read + KV read) / measured device copy bandwidth.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import gc
+import io
 import json
+import logging
+import pstats
 import time
 from dataclasses import dataclass
 
@@ -58,13 +62,17 @@ class ShapeReport:
     engine_tok_s: float
     hf_tok_s: float | None
     decode_ms: float
+    decode_replay_ms: float | None  # the graph replay alone: the step less its host work
+    decode_eager_ms: float | None  # the same step without CUDA graphs
     floor_ms: float
     copy_gb_s: float
 
     def line(self) -> str:
         hf = f"{self.hf_tok_s:9.1f}" if self.hf_tok_s is not None else "      n/a"
+        eager = f"{self.decode_eager_ms:.2f}" if self.decode_eager_ms is not None else "n/a"
+        replay = f"{self.decode_replay_ms:.2f}" if self.decode_replay_ms is not None else "n/a"
         return (f"{self.shape:<5} {self.params_b:5.2f}B {self.dtype:<9} engine {self.engine_tok_s:9.1f} tok/s   "
-                f"generate_batch {hf} tok/s   decode step {self.decode_ms:8.2f} ms vs floor "
+                f"generate_batch {hf} tok/s   decode step {self.decode_ms:8.2f} ms (replay {replay}, eager {eager}) vs floor "
                 f"{self.floor_ms:7.2f} ms ({self.floor_ms / self.decode_ms:5.1%})   copy {self.copy_gb_s:7.1f} GB/s")
 
 
@@ -89,10 +97,11 @@ def random_prompts(load: Load, vocab: int, count: int | None = None) -> list[lis
     return torch.randint(0, vocab, (n, load.input_len), generator=gen).tolist()
 
 
-def make_engine(model, load: Load, device: torch.device) -> LLMEngine:
+def make_engine(model, load: Load, device: torch.device, cuda_graphs: bool = True) -> LLMEngine:
     model.set_attn_implementation(register_paged_attention())
     limits = EngineLimits(block_size=16, max_num_seqs=256, max_num_batched_tokens=8192,
-                          max_model_len=load.input_len + load.output_len + 16)
+                          max_model_len=load.input_len + load.output_len + 64,  # + the decode timing's steps
+                          cuda_graph_max_batch=256 if cuda_graphs else 0)
     kv_bytes = resolve_kv_cache_bytes(EngineConfig(), device, model, limits)
     return LLMEngine(model, frozenset(), dataclasses.replace(limits, kv_cache_bytes=kv_bytes), device)
 
@@ -109,9 +118,17 @@ def engine_throughput(engine: LLMEngine, prompts: list[list[int]], output_len: i
     return tokens / (time.perf_counter() - start)
 
 
-def engine_decode_ms(engine: LLMEngine, prompts: list[list[int]], steps: int = 20) -> float:
+@dataclass
+class DecodeTiming:
+    step_ms: float  # engine.step(): schedule, inputs, model, sampling, events
+    replay_ms: float | None  # the CUDA graph's replay alone (the device's share of the step)
+    profile: str | None  # the host's hottest functions over the timed steps, when asked
+
+
+def engine_decode_ms(engine: LLMEngine, prompts: list[list[int]], steps: int = 20,
+                     profile: bool = False) -> DecodeTiming:
     """One decode step with len(prompts) sequences running (all prefilled first)."""
-    params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=2 * steps + 4, temperature=0.0, ignore_eos=True)
     ids = {engine.add_request(p, params) for p in prompts}
     started: set[int] = set()
     while started != ids:
@@ -123,15 +140,42 @@ def engine_decode_ms(engine: LLMEngine, prompts: list[list[int]], steps: int = 2
         engine.step()
     _sync(engine.device)
     elapsed = (time.perf_counter() - start) / steps * 1000
+    replay_ms = _replay_ms(engine, len(prompts), steps)
+    report = _profile_steps(engine, steps) if profile else None
     for request_id in ids:
         engine.abort_request(request_id)
-    return elapsed
+    return DecodeTiming(elapsed, replay_ms, report)
 
 
-def hf_throughput(model, prompts: list[list[int]], output_len: int, cb_config: ContinuousBatchingConfig | None) -> float:
+def _replay_ms(engine: LLMEngine, batch: int, reps: int) -> float | None:
+    """Replays of the graph the last step ran (same inputs: it rewrites the same slots)."""
+    graphs = engine.runner.decode_graphs
+    if graphs is None or not graphs.fits(batch):
+        return None
+    graph = graphs.graphs[next(s for s in graphs.sizes if s >= batch)]
+    _sync(engine.device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        graph.replay()
+    _sync(engine.device)
+    return (time.perf_counter() - start) / reps * 1000
+
+
+def _profile_steps(engine: LLMEngine, steps: int) -> str:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        engine.step()
+    _sync(engine.device)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(18)
+    return text.getvalue()
+
+
+def hf_throughput(model, prompts: list[list[int]], output_len: int, cb_config: ContinuousBatchingConfig) -> float:
     """transformers' continuous batching on the same model; timed from its first scheduled
-    request to its last token (its warm-up and graph capture excluded). `cb_config` None:
-    its defaults (cache sized from free GPU memory, as ours is)."""
+    request to its last token (its warm-up and graph capture excluded)."""
     model.set_attn_implementation("sdpa")
     config = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=None)
     results = model.generate_batch(prompts, generation_config=config, continuous_batching_config=cb_config,
@@ -176,25 +220,43 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_shape(shape: str, load: Load, device: torch.device, dtype: torch.dtype, skip_hf: bool) -> ShapeReport:
+def run_shape(shape: str, load: Load, device: torch.device, dtype: torch.dtype, skip_hf: bool,
+              cuda_graphs: bool, profile: bool = False) -> ShapeReport:
     model = build_model(shape, dtype, device)
     vocab = model.config.vocab_size
     params_b = sum(p.numel() for p in model.parameters()) / 1e9
-    engine = make_engine(model, load, device)
+    engine = make_engine(model, load, device, cuda_graphs)
     engine_throughput(engine, random_prompts(load, vocab, 2), 4)  # warm-up
     engine_tok_s = engine_throughput(engine, random_prompts(load, vocab), load.output_len)
-    decode_ms = engine_decode_ms(engine, random_prompts(load, vocab, load.decode_batch))
+    decode = engine_decode_ms(engine, random_prompts(load, vocab, load.decode_batch), profile=profile)
+    if decode.profile:
+        print(decode.profile, flush=True)
+    decode_eager_ms = None
+    if device.type == "cuda" and cuda_graphs:
+        engine.runner.decode_graphs = None  # same engine and cache, eager steps
+        decode_eager_ms = engine_decode_ms(engine, random_prompts(load, vocab, load.decode_batch)).step_ms
     del engine
+    _free(device)
+    bandwidth = copy_bandwidth(device, 1 << (30 if device.type == "cuda" else 26))
+    floor_ms = bytes_read_per_decode_step(model, load) / bandwidth * 1000
+    # On CUDA: its CUDA graphs on (the issue's terms). On CPU its default cache takes a share
+    # of host RAM (seconds of page zeroing): size it.
+    if device.type == "cuda":
+        cb_config = ContinuousBatchingConfig(use_cuda_graph=True)
+    else:
+        cb_config = ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=256)
+    hf_tok_s = None if skip_hf else hf_throughput(model, random_prompts(load, vocab), load.output_len, cb_config)
+    report = ShapeReport(shape, device.type, str(dtype).removeprefix("torch."), params_b, engine_tok_s, hf_tok_s,
+                         decode.step_ms, decode.replay_ms, decode_eager_ms, floor_ms, bandwidth / 1e9)
+    del model
+    _free(device)
+    return report
+
+
+def _free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    bandwidth = copy_bandwidth(device, 1 << (30 if device.type == "cuda" else 26))
-    floor_ms = bytes_read_per_decode_step(model, load) / bandwidth * 1000
-    # On CPU its default cache takes a share of host RAM (seconds of page zeroing): size it.
-    cb_config = None if device.type == "cuda" else ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=256)
-    hf_tok_s = None if skip_hf else hf_throughput(model, random_prompts(load, vocab), load.output_len, cb_config)
-    return ShapeReport(shape, device.type, str(dtype).removeprefix("torch."), params_b, engine_tok_s, hf_tok_s,
-                       decode_ms, floor_ms, bandwidth / 1e9)
 
 
 def main(argv: list[str] | None = None) -> list[ShapeReport]:
@@ -206,8 +268,11 @@ def main(argv: list[str] | None = None) -> list[ShapeReport]:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--decode-batch", type=int, default=64)
     parser.add_argument("--skip-hf", action="store_true", help="engine only")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="engine decode steps eager")
+    parser.add_argument("--profile", action="store_true", help="print the host's hottest functions in decode steps")
     parser.add_argument("--json", default=None, help="also write the reports here")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the graph-capture line
     if args.tiny:
         shapes, device, dtype = ["tiny"], torch.device("cpu"), torch.float32
         load = Load(requests=8, input_len=16, output_len=8, decode_batch=4)
@@ -220,7 +285,7 @@ def main(argv: list[str] | None = None) -> list[ShapeReport]:
           f"decode step at batch {load.decode_batch}", flush=True)
     reports = []
     for shape in shapes:
-        report = run_shape(shape, load, device, dtype, args.skip_hf)
+        report = run_shape(shape, load, device, dtype, args.skip_hf, not args.no_cuda_graphs, args.profile)
         print(report.line(), flush=True)
         reports.append(report)
     if args.json:

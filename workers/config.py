@@ -32,6 +32,9 @@ class EngineConfig(_Strict):
     first_token_timeout_s: float | None = Field(None, gt=0, description="end a request with no token by then")
     request_timeout_s: float | None = Field(None, gt=0, description="end a request still running by then")
     step_hang_timeout_s: float = Field(120, gt=0, description="a model step running longer fails the health check")
+    cuda_graph_max_batch_size: int = Field(
+        256, ge=0, le=1024, description="cuda: decode steps of up to this many sequences (and max_num_seqs) "
+        "replay CUDA graphs captured at start-up; 0: off")
     stream_interval: int = Field(
         1, ge=1, le=64, description="tokens per streamed chunk after the first (as vLLM's --stream-interval): "
         "larger sends fewer messages through Serve, in bursts")

@@ -62,6 +62,7 @@ def build_engine(config: ModelConfig) -> tuple[LLMEngine, LoadedModel]:
         max_model_len=min(eng.max_model_len or model_window, model_window),
         enable_prefix_caching=eng.enable_prefix_caching,
         max_prefill_tokens_while_decoding=eng.max_prefill_tokens_while_decoding,
+        cuda_graph_max_batch=eng.cuda_graph_max_batch_size,
     )
     kv_bytes = resolve_kv_cache_bytes(eng, device, loaded.model, limits)
     limits = dataclasses.replace(limits, kv_cache_bytes=kv_bytes)

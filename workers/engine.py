@@ -15,6 +15,7 @@ import torch
 
 from workers.beam_search import BeamGroup
 from workers.block_manager import BlockManager
+from workers.cuda_graphs import DecodeGraphs
 from workers.guided import GuidedDecoder, GuidedDecodingError, GuideState
 from workers.kv_cache import KVCacheShape, PagedKVCache
 from workers.model_runner import ModelRunner, PromptLogitRows
@@ -23,6 +24,7 @@ from workers.sampler import Sampler, SamplingTensors, token_logprobs
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig
 from workers.sequence import FinishReason, Sequence
+from workers.triton_attention import triton_available
 
 TopList = list[tuple[int, float]]
 
@@ -38,6 +40,7 @@ class EngineLimits:
     max_model_len: int = 8192
     enable_prefix_caching: bool = True
     max_prefill_tokens_while_decoding: int | None = None  # see SchedulerConfig
+    cuda_graph_max_batch: int = 0  # CUDA: decode steps up to this batch replay graphs (0: off)
 
 
 @dataclass(frozen=True)
@@ -92,13 +95,23 @@ class LLMEngine:
                 f"kv_cache budget {limits.kv_cache_bytes} bytes holds no block of {limits.block_size} "
                 f"tokens at {shape.bytes_per_token} bytes per token"
             )
-        self.kv_cache = PagedKVCache(shape, num_blocks, limits.block_size, device)
+        triton_decode = device.type == "cuda" and triton_available()
+        use_graphs = device.type == "cuda" and limits.cuda_graph_max_batch > 0
+        if use_graphs and not triton_decode:
+            logger.warning("CUDA graphs need the Triton decode kernel (triton not importable): decode runs eager")
+            use_graphs = False
+        self.kv_cache = PagedKVCache(shape, num_blocks, limits.block_size, device, padding_block=use_graphs)
         self.blocks = BlockManager(num_blocks, limits.block_size, limits.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(limits.max_num_seqs, limits.max_num_batched_tokens,
                             limits.max_prefill_tokens_while_decoding), self.blocks
         )
-        self.runner = ModelRunner(model, self.kv_cache, device)
+        self.runner = ModelRunner(model, self.kv_cache, device, triton_decode=triton_decode)
+        if use_graphs:
+            graphs = DecodeGraphs(model, self.kv_cache, min(limits.cuda_graph_max_batch, limits.max_num_seqs),
+                                  limits.max_model_len, self.vocab_size)
+            graphs.capture()
+            self.runner.decode_graphs = graphs
         self.sampler = Sampler()
         self.guided = _guided_decoder(tokenizer, self.vocab_size, eos_token_ids)
         self._ids = itertools.count()

@@ -38,11 +38,15 @@ class KVCacheShape:
 
 
 class PagedKVCache:
-    def __init__(self, shape: KVCacheShape, num_blocks: int, block_size: int, device: torch.device) -> None:
+    def __init__(self, shape: KVCacheShape, num_blocks: int, block_size: int, device: torch.device,
+                 padding_block: bool = False) -> None:
+        """`padding_block`: one more block, owned by no sequence, that the padding rows of a
+        CUDA graph write to (block id `num_blocks`)."""
         self.shape = shape
         self.num_blocks = num_blocks
         self.block_size = block_size
-        num_slots = num_blocks * block_size
+        self.padding_block = num_blocks if padding_block else None
+        num_slots = (num_blocks + int(padding_block)) * block_size
         dims = (shape.num_layers, num_slots, shape.num_kv_heads, shape.head_dim)
         self.keys = torch.zeros(dims, dtype=shape.dtype, device=device)
         self.values = torch.zeros(dims, dtype=shape.dtype, device=device)

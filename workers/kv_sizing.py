@@ -48,13 +48,29 @@ def kv_budget_from_profile(profile: MemoryProfile, utilization: float) -> int:
     return budget
 
 
+def cuda_graph_reserve(limits: EngineLimits, vocab_size: int) -> int:
+    """Memory the decode CUDA graphs keep after capture, outside the profiled step: the
+    float32 output buffer, and in their pool the largest graph's bf16/fp16 logits and
+    their float32 copy (the activations of a decode step are far smaller; 256 MiB covers them)."""
+    batch = min(limits.cuda_graph_max_batch, limits.max_num_seqs)
+    if batch <= 0:
+        return 0
+    return batch * vocab_size * (4 + 2 + 4) + 256 * 1024**2
+
+
 def resolve_kv_cache_bytes(config: EngineConfig, device: torch.device, model, limits: EngineLimits) -> int:
-    """The pool size for this worker: explicit, the CPU default, or profiled on the GPU."""
+    """The pool size for this worker: explicit, the CPU default, or profiled on the GPU
+    (less what the decode CUDA graphs will keep)."""
     if config.kv_cache_memory_gib is not None:
         return int(config.kv_cache_memory_gib * GIB)
     if device.type != "cuda":
         return int(CPU_DEFAULT_KV_CACHE_GIB * GIB)
-    return kv_budget_from_profile(profile_cuda_step(model, limits, device), config.gpu_memory_utilization)
+    budget = kv_budget_from_profile(profile_cuda_step(model, limits, device), config.gpu_memory_utilization)
+    reserve = cuda_graph_reserve(limits, model.get_output_embeddings().weight.shape[0])
+    if budget <= reserve:
+        raise ValueError(f"no memory left for the KV cache after {reserve / GIB:.1f} GiB for CUDA graphs; lower "
+                         "engine.cuda_graph_max_batch_size or raise engine.gpu_memory_utilization")
+    return budget - reserve
 
 
 @torch.inference_mode()
@@ -65,7 +81,8 @@ def profile_cuda_step(model, limits: EngineLimits, device: torch.device) -> Memo
     shape = KVCacheShape.from_model_config(model.config, model.dtype)
     blocks = -(-(num_tokens + 1) // limits.block_size)
     probe_bytes = blocks * limits.block_size * shape.bytes_per_token
-    probe_limits = dataclasses.replace(limits, kv_cache_bytes=probe_bytes, enable_prefix_caching=False)
+    probe_limits = dataclasses.replace(limits, kv_cache_bytes=probe_bytes, enable_prefix_caching=False,
+                                       cuda_graph_max_batch=0)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     probe = LLMEngine(model, frozenset(), probe_limits, device)

@@ -12,6 +12,7 @@ by the sequences' precomputed image features. Every other step feeds `input_ids`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +20,9 @@ from workers.attention import AttentionMetadata, PrefillSpan
 from workers.kv_cache import PagedKVCache
 from workers.multimodal import ImageFeatures, ImageInputs, encode_images
 from workers.sequence import Sequence
+
+if TYPE_CHECKING:
+    from workers.cuda_graphs import DecodeGraphs
 
 
 @dataclass(frozen=True)
@@ -59,18 +63,27 @@ class ModelInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device,
+                 triton_decode: bool = False) -> None:
+        """`triton_decode`: decode rows use the paged Triton kernel (CUDA) instead of a
+        masked SDPA over a padded gather."""
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = device
+        self.triton_decode = triton_decode
+        self.decode_graphs: DecodeGraphs | None = None  # set by the engine on CUDA
 
     @torch.inference_mode()
     def forward(
         self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]
     ) -> tuple[torch.Tensor, list[PromptLogitRows]]:
         """Run one step. Returns float32 logits: first one row per sampling chunk (decodes
-        first), then the prompt-logprob rows described by the returned list."""
+        first), then the prompt-logprob rows described by the returned list. The logits
+        may be a view of a CUDA graph's output buffer: valid until the next step."""
+        graphs = self.decode_graphs
+        if graphs is not None and not prefills and graphs.fits(len(decodes)) and not _feeds_images(decodes):
+            return graphs.run(decodes), []
         inputs = self.prepare(decodes, prefills)
         if inputs.image_embeds is None:
             feed = {"input_ids": inputs.input_ids}
@@ -133,16 +146,16 @@ class ModelRunner:
             offset += n
             if chunk.samples:
                 logits_indices.append(offset - 1)
-        decode_blocks, decode_mask = self._decode_context(decodes)
         device = self.device
         metadata = AttentionMetadata(
             kv_cache=self.kv_cache,
             slot_mapping=torch.cat(slot_parts).to(device),
             num_decode_tokens=len(decodes),
-            decode_blocks=decode_blocks,
-            decode_mask=decode_mask,
+            decode_blocks=None,
+            decode_mask=None,
             prefills=spans,
         )
+        self._add_decode_context(metadata, decodes)
         return ModelInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.long, device=device).unsqueeze(0),
             position_ids=torch.cat(pos_parts).to(device).unsqueeze(0),
@@ -165,18 +178,40 @@ class ModelRunner:
         mask = (k_pos <= q_pos).to(self.device)
         return PrefillSpan(offset, offset + n, all_slots.to(self.device), mask)
 
-    def _decode_context(self, decodes: list[ScheduledChunk]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(block tables [D, W], context mask [D, 1, 1, W * block_size]) of the decode rows."""
+    def _add_decode_context(self, meta: AttentionMetadata, decodes: list[ScheduledChunk]) -> None:
+        """The decode rows' block tables [D, W], and their context lengths (Triton) or a
+        context mask [D, 1, 1, W * block_size] (SDPA)."""
         if not decodes:
-            return None, None
-        # Only the blocks that hold context: a sequence may own more (reserved ahead).
+            return
         ctx_lens = [c.seq.num_computed_tokens + 1 for c in decodes]
-        bs = self.block_size
-        tables = [c.seq.block_table[: (n + bs - 1) // bs] for c, n in zip(decodes, ctx_lens)]
-        width = max(len(t) for t in tables)
-        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-        mask = torch.arange(width * bs).unsqueeze(0) < torch.tensor(ctx_lens).unsqueeze(1)
-        return padded.to(self.device), mask.view(len(tables), 1, 1, width * bs).to(self.device)
+        tables = decode_block_tables(decodes, ctx_lens, self.block_size)
+        meta.decode_blocks = tables.to(self.device)
+        if self.triton_decode:
+            meta.decode_context_lens = torch.tensor(ctx_lens, dtype=torch.int32).to(self.device)
+            return
+        width = tables.shape[1] * self.block_size
+        mask = torch.arange(width).unsqueeze(0) < torch.tensor(ctx_lens).unsqueeze(1)
+        meta.decode_mask = mask.view(len(decodes), 1, 1, width).to(self.device)
+
+
+def decode_block_tables(decodes: list[ScheduledChunk], ctx_lens: list[int], block_size: int,
+                        pad_block: int = 0, rows: int | None = None) -> torch.Tensor:
+    """[rows, W] long: each decode's blocks that hold context (a sequence may own more,
+    reserved ahead), padded with `pad_block`; rows past the decodes are all padding."""
+    tables = [c.seq.block_table[: (n + block_size - 1) // block_size] for c, n in zip(decodes, ctx_lens)]
+    width = max(len(t) for t in tables)
+    padded = [t + [pad_block] * (width - len(t)) for t in tables]
+    padded += [[pad_block] * width] * ((rows or len(decodes)) - len(decodes))
+    return torch.tensor(padded, dtype=torch.long)
+
+
+def _feeds_images(decodes: list[ScheduledChunk]) -> bool:
+    """A decode row at an image placeholder (a prompt's last token) needs the eager path."""
+    for chunk in decodes:
+        features, pos = chunk.seq.image_features, chunk.seq.num_computed_tokens
+        if features is not None and features.rows(pos, pos + 1)[0].numel():
+            return True
+    return False
 
 
 class _ImageRows:

@@ -93,13 +93,17 @@ class SamplingTensors:
         min_ps = [p.min_p for p in params]
         generators = [(i, s.generator) for i, s in enumerate(seqs) if s.generator is not None and not greedy[i]]
         sampled = [not g for g in greedy]
+        all_greedy = all(greedy)
+        # An all-greedy batch never reads these four: they stay on the host (no device copy
+        # and, on CUDA, no wait for the model step still running).
+        row_device = torch.device("cpu") if all_greedy else device
         return cls(
-            temperatures=torch.tensor(temps, dtype=torch.float32, device=device),
-            top_ks=torch.tensor(top_ks, dtype=torch.long, device=device),
-            top_ps=torch.tensor(top_ps, dtype=torch.float32, device=device),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            temperatures=torch.tensor(temps, dtype=torch.float32, device=row_device),
+            top_ks=torch.tensor(top_ks, dtype=torch.long, device=row_device),
+            top_ps=torch.tensor(top_ps, dtype=torch.float32, device=row_device),
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=row_device),
             generators=generators,
-            all_greedy=all(greedy),
+            all_greedy=all_greedy,
             any_greedy=any(greedy),
             needs_top_k=any(k < vocab_size for k, s in zip(top_ks, sampled) if s),
             needs_top_p=any(p < 1.0 for p, s in zip(top_ps, sampled) if s),

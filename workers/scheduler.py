@@ -127,15 +127,17 @@ class Scheduler:
             n = self._chunk_size(seq.num_uncomputed_tokens, budget)
             if n == 0:
                 continue  # a beam waiting for its siblings' logits, or no prefill room left this step
-            while not self.blocks.can_allocate(seq, n):
-                victim = queue.pop() if queue else None
-                if victim is None:
-                    break
-                self._preempt(victim, batch)
-            if not self.blocks.can_allocate(seq, n):
+            # Computed once per sequence (most decodes need no block); again only after a
+            # preemption, which may un-share one of its blocks.
+            needed = self.blocks.blocks_needed(seq, n)
+            while needed > self.blocks.num_free_blocks and queue:
+                self._preempt(queue.pop(), batch)
+                needed = self.blocks.blocks_needed(seq, n)
+            if needed > self.blocks.num_free_blocks:
                 self._preempt(seq, batch)
                 continue
-            batch.block_copies.extend(self.blocks.allocate(seq, n))
+            if needed:
+                batch.block_copies.extend(self.blocks.allocate(seq, n))
             self._take(batch, seq, n)
             budget -= n
         # Unscheduled sequences (budget ran out) keep their place; running stays oldest-first.

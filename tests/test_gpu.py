@@ -1,0 +1,130 @@
+"""CUDA-only checks (skipped without a GPU; `make test-gpu` runs them on one): the Triton
+paged decode kernel on the device, and the engine with decode CUDA graphs giving the same
+greedy output as without them, as transformers' own generate, and under preemption."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+from workers.attention import register_paged_attention  # noqa: E402
+from workers.engine import EngineLimits, LLMEngine  # noqa: E402
+from workers.kv_cache import KVCacheShape  # noqa: E402
+from workers.sampling_params import SamplingParams  # noqa: E402
+
+from tests.engine_runs import greedy_outputs  # noqa: E402
+from tests.test_engine import record_preemptions  # noqa: E402
+from tests.tiny_models import build_tiny_llama  # noqa: E402
+
+CUDA = torch.device("cuda")
+VOCAB = 400
+
+
+def _kernel_case(dtype, head_dim, group, seed, splits):
+    from tests.test_triton_attention import CONTEXTS, make_case, reference, rel_err
+    from workers.triton_attention import paged_decode_attention
+
+    case = make_case(CONTEXTS, num_kv_heads=2, group=group, head_dim=head_dim, dtype=dtype, seed=seed)
+    query, k, v, tables, lens = (t.to(CUDA) for t in case)
+    scale = head_dim**-0.5
+    out = torch.full_like(query, float("nan"))
+    paged_decode_attention(query, k, v, tables, lens.to(torch.int32), 16, scale, out=out, num_splits=splits)
+    torch.cuda.synchronize()
+    assert not out.isnan().any()
+    ref = reference(*(t.cpu() for t in (query, k, v, tables, lens)), scale)
+    return rel_err(out.cpu(), ref)
+
+
+@pytest.mark.parametrize("splits", [1, None])  # None: 16 context ranges for these 6 sequences
+@pytest.mark.parametrize("head_dim,group", [(64, 4), (128, 4), (80, 1)])
+def test_triton_kernel_on_cuda(head_dim, group, splits):
+    assert _kernel_case(torch.float32, head_dim, group, seed=head_dim, splits=splits) < 1e-5
+    assert _kernel_case(torch.bfloat16, head_dim, group, seed=head_dim + 1, splits=splits) < 1e-2
+
+
+def _model(dtype=torch.float32):
+    model = build_tiny_llama(VOCAB).to(device=CUDA, dtype=dtype)
+    model.set_attn_implementation(register_paged_attention())
+    return model
+
+
+def _engine(model, graphs: int, num_blocks: int = 512, block_size: int = 4, max_num_seqs: int = 64) -> LLMEngine:
+    per_token = KVCacheShape.from_model_config(model.config, model.dtype).bytes_per_token
+    limits = EngineLimits(block_size=block_size, kv_cache_bytes=num_blocks * block_size * per_token,
+                          max_num_seqs=max_num_seqs, max_num_batched_tokens=512, max_model_len=256,
+                          cuda_graph_max_batch=graphs)
+    return LLMEngine(model, frozenset(), limits, CUDA)
+
+
+def _prompts(count: int, seed: int = 3) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (int(n),), generator=gen).tolist()
+            for n in torch.randint(1, 60, (count,), generator=gen)]
+
+
+def test_graph_steps_match_eager_and_transformers():
+    model = _model()
+    prompts = _prompts(19)
+    # Different lengths: the batch shrinks through several graph sizes (19 -> 16 -> 8 ...).
+    max_tokens = [4 + 3 * i for i in range(len(prompts))]
+    graphed = _engine(model, graphs=32)
+    assert graphed.runner.decode_graphs is not None and graphed.runner.triton_decode
+    eager = _engine(model, graphs=0)
+    assert eager.runner.decode_graphs is None
+    got = greedy_outputs(graphed, prompts, max_tokens)
+    assert got == greedy_outputs(eager, prompts, max_tokens)
+    for prompt, tokens, n in zip(prompts[:4], got, max_tokens):
+        x = torch.tensor([prompt], device=CUDA)
+        with torch.inference_mode():
+            model.set_attn_implementation("sdpa")
+            ref = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n,
+                                 eos_token_id=None, pad_token_id=0)
+            model.set_attn_implementation(register_paged_attention())
+        assert tokens == ref[0, len(prompt):].tolist()
+
+
+def test_graphs_under_preemption_keep_the_output():
+    model = _model()
+    prompts = _prompts(12, seed=5)
+    max_tokens = [40] * len(prompts)
+    roomy = greedy_outputs(_engine(model, graphs=16), prompts, max_tokens)
+    tight = _engine(model, graphs=16, num_blocks=60)
+    preempted = record_preemptions(tight)
+    assert greedy_outputs(tight, prompts, max_tokens) == roomy
+    assert preempted, "the small pool should have forced a preemption"
+
+
+def test_bfloat16_graph_logits_match_eager():
+    model = _model(torch.bfloat16)
+    engine = _engine(model, graphs=16)
+    prompts = _prompts(5, seed=7)
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
+        engine.step()
+    batch = engine.scheduler.schedule()
+    assert batch.decodes and not batch.prefills
+    graph_logits = engine.runner.forward(batch.decodes, [])[0].clone()
+    graphs, engine.runner.decode_graphs = engine.runner.decode_graphs, None
+    eager_logits = engine.runner.forward(batch.decodes, [])[0]
+    engine.runner.decode_graphs = graphs
+    err = (graph_logits - eager_logits).norm() / eager_logits.norm()
+    assert err < 2e-2, err
+
+
+def test_deployment_path_captures_graphs(tmp_path):
+    pytest.importorskip("ray")  # workers.deployment is a Serve deployment module
+    from tests.tiny_models import write_tiny_model_dir
+    from workers.config import ModelConfig
+    from workers.deployment import build_engine
+
+    model_dir = write_tiny_model_dir(tmp_path / "tiny")
+    config = ModelConfig(id="tiny", source=str(model_dir), device="cuda", dtype="float32",
+                         engine={"max_num_seqs": 24, "kv_cache_memory_gib": 0.05},
+                         deployment={"ray_actor_options": {"num_gpus": 1}})
+    engine, _ = build_engine(config)
+    graphs = engine.runner.decode_graphs
+    assert graphs is not None and graphs.sizes == [1, 2, 4, 8, 16, 24]
+    assert all(len(t) == 6 for t in greedy_outputs(engine, _prompts(3), [6] * 3))
