@@ -33,7 +33,7 @@ test: $(STAMP)
 # On a CUDA machine: the Triton decode kernel on the device, decode CUDA graphs == eager ==
 # transformers, graphs under preemption (tests/test_gpu.py; `make test` skips them without a GPU).
 test-gpu: $(STAMP)
-	$(BIN)/python -m pytest -q tests/test_gpu.py tests/test_triton_attention.py
+	$(BIN)/python -m pytest -q tests/test_gpu.py tests/test_triton_attention.py tests/test_model_families.py
 
 bench: $(STAMP)
 	$(BIN)/python -m serve_app.bench --url http://127.0.0.1:8000 --concurrency 1 16 32 --num-requests 64 --max-tokens 64

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 
+import pytest
 import torch
 
 from workers.attention import paged_attention
@@ -22,14 +23,18 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got - ref).norm() / ref.norm())
 
 
-def dense_causal_attention(q, k, v, q_positions, scale):
-    """Reference: q [H, n, Dh] at absolute positions q_positions, k/v [KVH, L, Dh] (all positions)."""
+def dense_causal_attention(q, k, v, q_positions, scale, window=None, softcap=None):
+    """Reference: q [H, n, Dh] at absolute positions q_positions, k/v [KVH, L, Dh] (all positions);
+    `window` W: a query sees keys (p - W, p]; `softcap` c: scores -> c * tanh(scores / c)."""
     rep = q.shape[0] // k.shape[0]
     k = k.repeat_interleave(rep, dim=0).double()
     v = v.repeat_interleave(rep, dim=0).double()
     scores = torch.einsum("hqd,hkd->hqk", q.double(), k) * scale
-    kpos = torch.arange(k.shape[1])
-    allowed = kpos.unsqueeze(0) <= torch.tensor(q_positions).unsqueeze(1)  # [n, L]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    kpos = torch.arange(k.shape[1]).unsqueeze(0)
+    qpos = torch.tensor(q_positions).unsqueeze(1)
+    allowed = (kpos <= qpos) & (kpos > qpos - (window or k.shape[1] + 1))  # [n, L]
     scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.einsum("hqk,hkd->hqd", scores.softmax(-1), v).float()  # [H, n, Dh]
 
@@ -40,7 +45,9 @@ class _Layer(torch.nn.Module):
         self.layer_idx = layer_idx
 
 
-def test_paged_attention_mixed_batch_matches_dense():
+# (window, softcap): plain; Mistral-style sliding window; Gemma-2-style soft cap; both.
+@pytest.mark.parametrize("window,softcap", [(None, None), (3, None), (None, 2.0), (5, 1.5)])
+def test_paged_attention_mixed_batch_matches_dense(window, softcap):
     torch.manual_seed(0)
     rng = random.Random(0)
     heads, kv_heads, head_dim, block_size, num_blocks = 4, 2, 8, 4, 24
@@ -85,7 +92,8 @@ def test_paged_attention_mixed_batch_matches_dense():
     k = torch.cat([dense[n][0][:, specs[n][0] :] for n in order], dim=1).unsqueeze(0)  # new tokens only
     v = torch.cat([dense[n][1][:, specs[n][0] :] for n in order], dim=1).unsqueeze(0)
     scale = 1 / math.sqrt(head_dim)
-    out, weights = paged_attention(_Layer(layer), q, k, v, None, scaling=scale, attn_metadata=meta)
+    out, weights = paged_attention(_Layer(layer), q, k, v, None, scaling=scale, attn_metadata=meta,
+                                   sliding_window=window, softcap=softcap)
     assert weights is None
     assert out.shape == (1, q.shape[2], heads, head_dim)
 
@@ -93,7 +101,7 @@ def test_paged_attention_mixed_batch_matches_dense():
     for name in order:
         ctx, n = specs[name]
         k_full, v_full, q_new = dense[name]
-        ref = dense_causal_attention(q_new, k_full, v_full, list(range(ctx, ctx + n)), scale)
+        ref = dense_causal_attention(q_new, k_full, v_full, list(range(ctx, ctx + n)), scale, window, softcap)
         got = out[0, offset : offset + n].transpose(0, 1)
         assert rel_err(got, ref) < 1e-5, name
         # The new tokens' K/V were written into their own slots.

@@ -128,3 +128,31 @@ def test_deployment_path_captures_graphs(tmp_path):
     graphs = engine.runner.decode_graphs
     assert graphs is not None and graphs.sizes == [1, 2, 4, 8, 16, 24]
     assert all(len(t) == 6 for t in greedy_outputs(engine, _prompts(3), [6] * 3))
+
+
+@pytest.mark.parametrize("window,softcap,splits", [(7, None, 1), (70, 1.5, None)])
+def test_triton_kernel_window_and_softcap_on_cuda(window, softcap, splits):
+    from tests.test_triton_attention import CONTEXTS, make_case, reference, rel_err
+    from workers.triton_attention import paged_decode_attention
+
+    case = make_case(CONTEXTS, num_kv_heads=2, group=4, head_dim=64, dtype=torch.float32, seed=9)
+    query, k, v, tables, lens = (t.to(CUDA) for t in case)
+    out = paged_decode_attention(query, k, v, tables, lens, 16, 0.125, num_splits=splits, sliding_window=window,
+                                 softcap=softcap)
+    ref = reference(*case, 0.125, window, softcap)
+    assert rel_err(out.cpu(), ref) < 1e-5
+
+
+def test_graphs_with_sliding_window_and_softcap_match_transformers():
+    """Gemma 2's shape (soft-capped logits, a sliding and a full layer) through graphed
+    decode steps, against transformers' eager generate on the CPU."""
+    from tests.test_model_families import assert_same, engine_outputs, gemma2, prompts, reference
+
+    model = gemma2()
+    paged = gemma2().to(CUDA)
+    paged.set_attn_implementation(register_paged_attention())
+    engine = _engine(paged, graphs=8, num_blocks=64)
+    assert engine.runner.decode_graphs is not None
+    batch, max_tokens = prompts(), [12, 14, 9, 10]
+    for got, prompt, n in zip(engine_outputs(engine, batch, max_tokens), batch, max_tokens):
+        assert_same(got, reference(model, prompt, n))

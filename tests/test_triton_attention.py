@@ -37,7 +37,7 @@ def test_kernel_under_interpreter():
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", __file__]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
-    assert "17 passed" in result.stdout, result.stdout[-2000:]  # every kernel case ran
+    assert "21 passed" in result.stdout, result.stdout[-2000:]  # every kernel case ran
 
 
 @pytest.mark.skipif(INTERPRETED, reason="needs a process without the interpreter")
@@ -61,15 +61,18 @@ def make_case(context_lens, num_kv_heads, group, head_dim, dtype, seed=0):
     return query, k_cache, v_cache, block_tables, torch.tensor(context_lens)
 
 
-def reference(query, k_cache, v_cache, block_tables, context_lens, scale):
+def reference(query, k_cache, v_cache, block_tables, context_lens, scale, window=None, softcap=None):
     group = query.shape[1] // k_cache.shape[1]
     out = []
     for i, n in enumerate(context_lens.tolist()):
-        t = torch.arange(n)
+        t = torch.arange(max(0, n - window) if window else 0, n)  # the keys a sliding window keeps
         slots = block_tables[i, t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE
         k = k_cache[slots].double().repeat_interleave(group, dim=1)  # [n, H, Dh]
         v = v_cache[slots].double().repeat_interleave(group, dim=1)
-        probs = torch.einsum("hd,nhd->hn", query[i].double(), k).mul(scale).softmax(-1)
+        scores = torch.einsum("hd,nhd->hn", query[i].double(), k).mul(scale)
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        probs = scores.softmax(-1)
         out.append(torch.einsum("hn,nhd->hd", probs, v))
     return torch.stack(out)
 
@@ -102,6 +105,16 @@ def test_matches_dense_reference(group, head_dim, dtype, tol, splits):
     assert result is out and result.dtype == dtype
     assert not out.isnan().any(), "some output elements were never written"
     assert rel_err(out, reference(query, k_cache, v_cache, tables, lens, scale)) < tol
+
+
+@interpreted_only
+@pytest.mark.parametrize("window,softcap,splits", [(7, None, 1), (70, None, None), (None, 2.0, 1), (40, 1.5, None)])
+def test_sliding_window_and_softcap(window, softcap, splits):
+    query, k_cache, v_cache, tables, lens = make_case(CONTEXTS, 2, 4, 64, torch.float32, seed=2)
+    out = ta.paged_decode_attention(query, k_cache, v_cache, tables, lens, BLOCK_SIZE, 0.125, num_splits=splits,
+                                    sliding_window=window, softcap=softcap)
+    ref = reference(query, k_cache, v_cache, tables, lens, 0.125, window, softcap)
+    assert rel_err(out, ref) < 1e-5
 
 
 @interpreted_only

@@ -93,6 +93,7 @@ class DecodeGraphs:
             decode_mask=None,
             prefills=[],
             decode_context_lens=self.context_lens[:size],
+            triton_decode=True,
         )
         out = self.model(input_ids=self.input_ids[:, :size], position_ids=self.positions[:, :size],
                          attn_metadata=meta, logits_to_keep=0, use_cache=False)

@@ -179,15 +179,16 @@ class ModelRunner:
         return PrefillSpan(offset, offset + n, all_slots.to(self.device), mask)
 
     def _add_decode_context(self, meta: AttentionMetadata, decodes: list[ScheduledChunk]) -> None:
-        """The decode rows' block tables [D, W], and their context lengths (Triton) or a
-        context mask [D, 1, 1, W * block_size] (SDPA)."""
+        """The decode rows' block tables [D, W] and context lengths [D], and for the SDPA
+        path a context mask [D, 1, 1, W * block_size]."""
         if not decodes:
             return
         ctx_lens = [c.seq.num_computed_tokens + 1 for c in decodes]
         tables = decode_block_tables(decodes, ctx_lens, self.block_size)
         meta.decode_blocks = tables.to(self.device)
+        meta.decode_context_lens = torch.tensor(ctx_lens, dtype=torch.int32).to(self.device)
         if self.triton_decode:
-            meta.decode_context_lens = torch.tensor(ctx_lens, dtype=torch.int32).to(self.device)
+            meta.triton_decode = True
             return
         width = tables.shape[1] * self.block_size
         mask = torch.arange(width).unsqueeze(0) < torch.tensor(ctx_lens).unsqueeze(1)

@@ -34,6 +34,7 @@ NUM_WARPS = 4
 NUM_STAGES = 2
 MAX_SPLITS = 16  # context ranges per (sequence, KV head) when the batch is small
 _LOG2E = 1.4426950408889634
+_NO_WINDOW = 2**31 - 1  # "no sliding window": more keys than any context
 _CPU_SM_COUNT = 132  # under the interpreter (CPU tensors): as an H100, so the tests split
 
 
@@ -70,9 +71,11 @@ if triton is not None:
         s_td, s_tw,
         s_od, s_oh, s_oe,
         qk_scale,  # softmax scale * log2(e): the kernel uses exp2
+        window,  # sliding window (a huge number when the layer has none)
+        softcap,  # logit soft cap (used when SOFTCAP)
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-        SPLITS: tl.constexpr,
+        SPLITS: tl.constexpr, SOFTCAP: tl.constexpr,
     ):  # fmt: skip
         seq = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -86,10 +89,12 @@ if triton is not None:
         q = tl.load(q_ptr + seq * s_qd + heads[:, None] * s_qh + d[None, :] * s_qe, mask=qo_mask, other=0.0)
         q = q.to(k_ptr.dtype.element_ty)
         ctx_len = tl.load(ctx_ptr + seq)
-        # This program's range: an equal share of the context, in whole tiles (split 0 is
-        # never empty; a later one may be, and then leaves m = -inf, l = 0, acc = 0).
-        per_split = tl.cdiv(tl.cdiv(ctx_len, SPLITS), BLOCK_N) * BLOCK_N
-        lo = split * per_split
+        # The keys it sees: the last `window` of the context. This program's range: an equal
+        # share of them, in whole tiles (split 0 is never empty; a later one may be, and then
+        # leaves m = -inf, l = 0, acc = 0).
+        first = tl.maximum(ctx_len - window, 0)
+        per_split = tl.cdiv(tl.cdiv(ctx_len - first, SPLITS), BLOCK_N) * BLOCK_N
+        lo = first + split * per_split
         hi = tl.minimum(lo + per_split, ctx_len)
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_G], tl.float32)
@@ -103,6 +108,9 @@ if triton is not None:
             kv_mask = t_mask[:, None] & (d < HEAD_DIM)[None, :]
             k = tl.load(k_ptr + slot[:, None] * s_ks + kvh * s_kh + d[None, :] * s_ke, mask=kv_mask, other=0.0)
             s = _dot(q, tl.trans(k), IEEE) * qk_scale  # [BLOCK_G, BLOCK_N], log2 domain
+            if SOFTCAP:  # softcap * tanh(x / softcap) on the natural-log logits x; tanh(y) = 1 - 2 / (e^2y + 1)
+                y = s / (1.4426950408889634 * softcap)
+                s = softcap * (1.0 - 2.0 / (tl.exp2(2.8853900817779268 * y) + 1.0)) * 1.4426950408889634
             s = tl.where(t_mask[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))  # finite: every tile holds >= 1 context token
             alpha = tl.exp2(m - m_new)
@@ -152,6 +160,8 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
@@ -159,6 +169,8 @@ def paged_decode_attention(
     context_lens [D] (>= 1, including the current token). Query head h reads kv head
     h // (H // KVH). Returns (or fills `out`) [D, H, Dh] in the query dtype.
     `num_splits`: context ranges per (sequence, KV head); default: from the batch size.
+    `sliding_window` W: a query sees its own and the W - 1 earlier keys (transformers'
+    sliding-window layers); `softcap` c: logits become c * tanh(logits / c) (Gemma 2).
     """
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[1]
@@ -180,13 +192,13 @@ def paged_decode_attention(
     _paged_decode_kernel[(num_seqs, num_kv_heads, splits)](
         query, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
-        scale * _LOG2E,
+        scale * _LOG2E, sliding_window or _NO_WINDOW, softcap or 0.0,
         GROUP=group, HEAD_DIM=head_dim, PAGE=block_size,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d,
         BLOCK_N=BLOCK_N,
         IEEE=k_cache.dtype == torch.float32,
-        SPLITS=splits,
+        SPLITS=splits, SOFTCAP=bool(softcap),
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
     if splits > 1:
