@@ -123,3 +123,4 @@ def test_worker_reports_its_dtype_and_packing(tiny_model_dir, dtype, pack):
     assert info.dtype == dtype and interval == 3
     linears = 2 * 7 + 1  # the tiny Llama: 2 layers x (q, k, v, o, gate, up, down) + the LM head
     assert info.packed_linear_layers == (linears if dtype == "bfloat16" and pack else 0)
+    assert info.decode_attention == "sdpa" and info.cuda_graph_max_batch == 0  # a CPU worker

@@ -122,6 +122,8 @@ class ModelWorker:
             accepts_images=self.processor.vision is not None,
             dtype=str(core.runner.model.dtype).removeprefix("torch."),
             packed_linear_layers=sum(isinstance(m, PackedLinear) for m in core.runner.model.modules()),
+            decode_attention="triton" if core.runner.triton_decode else "sdpa",
+            cuda_graph_max_batch=core.runner.decode_graphs.max_batch if core.runner.decode_graphs else 0,
         )
 
     def stats(self) -> WorkerStats:

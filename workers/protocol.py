@@ -117,6 +117,8 @@ class ModelInfo:
     accepts_images: bool = False  # a vision-language model
     dtype: str = ""  # what the weights run in (`auto` resolved), e.g. "bfloat16"
     packed_linear_layers: int = 0  # bfloat16 on CPU: layers with oneDNN-packed weights
+    decode_attention: str = "sdpa"  # "triton": the paged kernel (CUDA); "sdpa": over a gather
+    cuda_graph_max_batch: int = 0  # decode steps up to this batch replay CUDA graphs (0: none)
 
 
 @dataclass(frozen=True)
