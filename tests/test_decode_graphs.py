@@ -70,7 +70,7 @@ def test_graph_reserve_and_config():
     limits = EngineLimits(max_num_seqs=64, cuda_graph_max_batch=256)
     assert cuda_graph_reserve(limits, 1000) == 64 * 1000 * 10 + 256 * 1024**2  # capped by max_num_seqs
     assert cuda_graph_reserve(EngineLimits(), 1000) == 0  # off by default in the engine
-    assert EngineConfig().cuda_graph_max_batch_size == 256
+    assert EngineConfig().cuda_graph_max_batch_size == 256 and EngineConfig().async_scheduling
     with pytest.raises(ValueError):
         EngineConfig(cuda_graph_max_batch_size=-1)
     config = ModelConfig(id="m", engine={"cuda_graph_max_batch_size": 0})

@@ -50,12 +50,13 @@ def _model(dtype=torch.float32):
     return model
 
 
-def _engine(model, graphs: int, num_blocks: int = 512, block_size: int = 4, max_num_seqs: int = 64) -> LLMEngine:
+def _engine(model, graphs: int, num_blocks: int = 512, block_size: int = 4, max_num_seqs: int = 64,
+            async_scheduling: bool = False, eos: frozenset[int] = frozenset()) -> LLMEngine:
     per_token = KVCacheShape.from_model_config(model.config, model.dtype).bytes_per_token
     limits = EngineLimits(block_size=block_size, kv_cache_bytes=num_blocks * block_size * per_token,
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=512, max_model_len=256,
-                          cuda_graph_max_batch=graphs)
-    return LLMEngine(model, frozenset(), limits, CUDA)
+                          cuda_graph_max_batch=graphs, async_scheduling=async_scheduling)
+    return LLMEngine(model, eos, limits, CUDA)
 
 
 def _prompts(count: int, seed: int = 3) -> list[list[int]]:
@@ -156,3 +157,21 @@ def test_graphs_with_sliding_window_and_softcap_match_transformers():
     batch, max_tokens = prompts(), [12, 14, 9, 10]
     for got, prompt, n in zip(engine_outputs(engine, batch, max_tokens), batch, max_tokens):
         assert_same(got, reference(model, prompt, n))
+
+
+@pytest.mark.parametrize("graphs", [32, 0], ids=["graphs", "eager"])
+def test_async_scheduling_matches_sync_on_cuda(graphs):
+    """Steps launched from the previous step's ids on the device (pinned async copy, event
+    wait) give the synchronous engine's output, with stops mid-pipeline and a tight pool."""
+    from tests.test_async_scheduling import _run
+
+    model = _model()
+    prompts = _prompts(19, seed=11)
+    free_run = greedy_outputs(_engine(model, graphs=graphs), prompts, [30] * len(prompts))
+    eos = frozenset({free_run[0][9]})
+    requests = [(p, SamplingParams(max_tokens=10 + i, temperature=0.0)) for i, p in enumerate(prompts)]
+    sync = _run(_engine(model, graphs=graphs, eos=eos, num_blocks=120), requests)
+    fast_engine = _engine(model, graphs=graphs, eos=eos, num_blocks=120, async_scheduling=True)
+    assert _run(fast_engine, requests) == sync
+    assert fast_engine.async_steps > 0
+    assert any(events[-1][2] == "stop" for events in sync)

@@ -97,11 +97,13 @@ def random_prompts(load: Load, vocab: int, count: int | None = None) -> list[lis
     return torch.randint(0, vocab, (n, load.input_len), generator=gen).tolist()
 
 
-def make_engine(model, load: Load, device: torch.device, cuda_graphs: bool = True) -> LLMEngine:
+def make_engine(model, load: Load, device: torch.device, cuda_graphs: bool = True,
+                async_scheduling: bool = True) -> LLMEngine:
     model.set_attn_implementation(register_paged_attention())
     limits = EngineLimits(block_size=16, max_num_seqs=256, max_num_batched_tokens=8192,
                           max_model_len=load.input_len + load.output_len + 64,  # + the decode timing's steps
-                          cuda_graph_max_batch=256 if cuda_graphs else 0)
+                          cuda_graph_max_batch=256 if cuda_graphs else 0,
+                          async_scheduling=async_scheduling and device.type == "cuda")
     kv_bytes = resolve_kv_cache_bytes(EngineConfig(), device, model, limits)
     return LLMEngine(model, frozenset(), dataclasses.replace(limits, kv_cache_bytes=kv_bytes), device)
 
@@ -221,11 +223,11 @@ def _sync(device: torch.device) -> None:
 
 
 def run_shape(shape: str, load: Load, device: torch.device, dtype: torch.dtype, skip_hf: bool,
-              cuda_graphs: bool, profile: bool = False) -> ShapeReport:
+              cuda_graphs: bool, profile: bool = False, async_scheduling: bool = True) -> ShapeReport:
     model = build_model(shape, dtype, device)
     vocab = model.config.vocab_size
     params_b = sum(p.numel() for p in model.parameters()) / 1e9
-    engine = make_engine(model, load, device, cuda_graphs)
+    engine = make_engine(model, load, device, cuda_graphs, async_scheduling)
     engine_throughput(engine, random_prompts(load, vocab, 2), 4)  # warm-up
     engine_tok_s = engine_throughput(engine, random_prompts(load, vocab), load.output_len)
     decode = engine_decode_ms(engine, random_prompts(load, vocab, load.decode_batch), profile=profile)
@@ -270,6 +272,7 @@ def main(argv: list[str] | None = None) -> list[ShapeReport]:
     parser.add_argument("--skip-hf", action="store_true", help="engine only")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="engine decode steps eager")
     parser.add_argument("--profile", action="store_true", help="print the host's hottest functions in decode steps")
+    parser.add_argument("--no-async", action="store_true", help="engine steps one at a time (no async scheduling)")
     parser.add_argument("--json", default=None, help="also write the reports here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the graph-capture line
@@ -285,7 +288,8 @@ def main(argv: list[str] | None = None) -> list[ShapeReport]:
           f"decode step at batch {load.decode_batch}", flush=True)
     reports = []
     for shape in shapes:
-        report = run_shape(shape, load, device, dtype, args.skip_hf, not args.no_cuda_graphs, args.profile)
+        report = run_shape(shape, load, device, dtype, args.skip_hf, not args.no_cuda_graphs, args.profile,
+                           not args.no_async)
         print(report.line(), flush=True)
         reports.append(report)
     if args.json:

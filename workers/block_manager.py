@@ -99,7 +99,9 @@ class BlockManager:
         """Register the full blocks whose K/V are now computed (called after a step ran)."""
         if not self.enable_prefix_caching:
             return
-        full = seq.num_computed_tokens // self.block_size
+        # Only blocks whose tokens are all known: under async scheduling a step is computed
+        # before the token it fed is back on the host.
+        full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         if full <= seq.num_cached_blocks:
             return
         hashes = self._block_hashes(seq, full)

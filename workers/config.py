@@ -35,6 +35,9 @@ class EngineConfig(_Strict):
     cuda_graph_max_batch_size: int = Field(
         256, ge=0, le=1024, description="cuda: decode steps of up to this many sequences (and max_num_seqs) "
         "replay CUDA graphs captured at start-up; 0: off")
+    async_scheduling: bool = Field(
+        True, description="cuda: launch the next decode step before this one's tokens are read back, so the "
+        "host's work overlaps the device's (plain decodes only); false: one step at a time")
     stream_interval: int = Field(
         1, ge=1, le=64, description="tokens per streamed chunk after the first (as vLLM's --stream-interval): "
         "larger sends fewer messages through Serve, in bursts")

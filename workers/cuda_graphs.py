@@ -99,10 +99,11 @@ class DecodeGraphs:
                          attn_metadata=meta, logits_to_keep=0, use_cache=False)
         self.logits[:size].copy_(out.logits[0])
 
-    def run(self, decodes: list[ScheduledChunk]) -> torch.Tensor:
+    def run(self, decodes: list[ScheduledChunk], token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Fill the static inputs (padding rows included, so no stale row writes a live
         slot) and replay the smallest graph that holds the batch. Returns a view of the
-        output buffer: valid until the next replay."""
+        output buffer: valid until the next replay. `token_ids` [n] on the device: the
+        rows' input tokens, when the host does not have them yet (async scheduling)."""
         n = len(decodes)
         size = next(s for s in self.sizes if s >= n)
         bs, pad = self.block_size, size - n
@@ -110,7 +111,7 @@ class DecodeGraphs:
         for chunk in decodes:
             seq = chunk.seq
             pos = seq.num_computed_tokens
-            ids.append(seq.token_ids[pos])
+            ids.append(0 if token_ids is not None else seq.token_ids[pos])
             positions.append(pos)
             slots.append(seq.block_table[pos // bs] * bs + pos % bs)
             ctx_lens.append(pos + 1)
@@ -118,5 +119,7 @@ class DecodeGraphs:
         rows = [ids + [0] * pad, positions + [0] * pad, slots + [self.pad_slot] * pad, ctx_lens + [1] * pad]
         self.step_inputs[:, :size].copy_(torch.tensor(rows), non_blocking=True)
         self.block_tables[:size, : tables.shape[1]].copy_(tables, non_blocking=True)
+        if token_ids is not None:
+            self.input_ids[0, :n].copy_(token_ids)
         self.graphs[size].replay()
         return self.logits[:n]

@@ -63,6 +63,7 @@ def build_engine(config: ModelConfig) -> tuple[LLMEngine, LoadedModel]:
         enable_prefix_caching=eng.enable_prefix_caching,
         max_prefill_tokens_while_decoding=eng.max_prefill_tokens_while_decoding,
         cuda_graph_max_batch=eng.cuda_graph_max_batch_size,
+        async_scheduling=eng.async_scheduling and config.device == "cuda",  # no overlap to win on a CPU
     )
     kv_bytes = resolve_kv_cache_bytes(eng, device, loaded.model, limits)
     limits = dataclasses.replace(limits, kv_cache_bytes=kv_bytes)

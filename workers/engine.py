@@ -41,6 +41,7 @@ class EngineLimits:
     enable_prefix_caching: bool = True
     max_prefill_tokens_while_decoding: int | None = None  # see SchedulerConfig
     cuda_graph_max_batch: int = 0  # CUDA: decode steps up to this batch replay graphs (0: off)
+    async_scheduling: bool = False  # launch the next decode step before reading this one's tokens
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,8 @@ class LLMEngine:
         self._beams: dict[int, BeamGroup] = {}  # beam-search requests
         self._pending_beam_rows: dict[int, torch.Tensor] = {}  # seq id -> logprobs, until siblings catch up
         self._suspects: list[int] = []  # requests of a failed step, re-run one at a time
+        self._in_flight: _InFlight | None = None  # async scheduling: a launched step not read back yet
+        self.async_steps = 0  # steps launched from a previous step's tokens still on the device
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise CapacityError if the request can never run here. Reads only fixed limits,
@@ -183,7 +186,7 @@ class LLMEngine:
             self.scheduler.abort(seq)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self._in_flight is not None or self.scheduler.has_work()
 
     @property
     def num_active(self) -> int:
@@ -192,6 +195,8 @@ class LLMEngine:
     def step(self) -> list[TokenEvent]:
         """One model step. If it raises, the step is undone and its requests are re-run one
         at a time, so only the request that makes a step fail is failed."""
+        if self._in_flight is not None:
+            return self._step_async()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
@@ -230,6 +235,9 @@ class LLMEngine:
 
     def _execute(self, batch) -> list[TokenEvent]:
         self.kv_cache.copy_blocks(batch.block_copies)
+        if self._can_run_async(batch):
+            self._in_flight = self._launch(batch)
+            return []  # its tokens come out of the next step() call
         logits, prompt_rows = self.runner.forward(batch.decodes, batch.prefills)
         logits = logits[:, : self.vocab_size]
         chunks = batch.sampling_chunks
@@ -249,6 +257,65 @@ class LLMEngine:
         logprobs = self._logprobs(seqs, row_logits, tokens)
         results = self.scheduler.append_tokens(seqs, tokens.tolist())
         return events + self._events(results, logprobs)
+
+    # --- async scheduling -----------------------------------------------------------
+    # On a GPU the host's share of a decode step (schedule, inputs, events: ~1.3 ms on an
+    # H100 box) otherwise sits between the device's steps. With async scheduling a plain
+    # decode step is launched, and the next one is launched from its sampled ids while they
+    # are still on the device; only then are the first step's ids read back and turned
+    # into events. A sequence that stops (EOS, stop token) runs one wasted row in the step
+    # launched behind it; its output is unchanged. A finish by length is known ahead.
+
+    def _can_run_async(self, batch) -> bool:
+        return (self.limits.async_scheduling and bool(batch.decodes) and not batch.prefills
+                and self.scheduler.only_request is None and all(_async_ok(c.seq) for c in batch.decodes))
+
+    def _launch(self, batch, token_ids: torch.Tensor | None = None) -> "_InFlight":
+        """Run a decode-only step and sample on the device; the ids come back asynchronously.
+        The step counts as computed only once everything is launched, so a failure leaves
+        the sequences as they were."""
+        seqs = [c.seq for c in batch.decodes]
+        logits, _ = self.runner.forward(batch.decodes, [], decode_token_ids=token_ids)
+        tokens = self.sampler(logits[:, : self.vocab_size], SamplingTensors.from_sequences(seqs, self.vocab_size,
+                                                                                           self.device))
+        flight = _InFlight.start(seqs, tokens)
+        self.scheduler.advance(batch)
+        return flight
+
+    def _step_async(self) -> list[TokenEvent]:
+        flight, self._in_flight = self._in_flight, None
+        self._in_flight = self._launch_next(flight)
+        return self._complete(flight)
+
+    def _launch_next(self, flight: "_InFlight") -> "_InFlight | None":
+        """The next decode step, fed by `flight`'s ids on the device; None: drain instead."""
+        ending = {id(s) for s in flight.seqs
+                  if s.num_output_tokens + 1 >= s.params.max_tokens or s.num_tokens + 1 >= s.max_model_len}
+        batch = self.scheduler.continue_decodes(flight.seqs, ending)
+        if batch is None:
+            return None
+        keep = [i for i, s in enumerate(flight.seqs) if id(s) not in ending]
+        token_ids = flight.tokens if len(keep) == len(flight.seqs) else flight.tokens[
+            torch.tensor(keep, device=flight.tokens.device)]
+        try:
+            self.kv_cache.copy_blocks(batch.block_copies)
+            launched = self._launch(batch, token_ids)
+        except Exception:  # noqa: BLE001 - drain; the next (synchronous) step contains a failure
+            logger.exception("async decode step failed to launch; running the next step synchronously")
+            return None
+        self.async_steps += 1
+        return launched
+
+    def _complete(self, flight: "_InFlight") -> list[TokenEvent]:
+        """Read a launched step's ids back and emit them; rows of sequences that ended
+        (or were aborted) meanwhile are dropped."""
+        sampled = flight.wait()
+        live = [(s, t) for s, t in zip(flight.seqs, sampled) if not s.is_finished]
+        results = self.scheduler.append_tokens([s for s, _ in live], [t for _, t in live])
+        for seq, _ in live:
+            if not seq.is_finished:  # blocks whose last token just became known
+                self.blocks.cache_computed_blocks(seq)
+        return self._events(results, {})
 
     # --- beam search --------------------------------------------------------------
 
@@ -387,6 +454,39 @@ class LLMEngine:
         group.remove(seq)
         if not group:
             del self._requests[seq.request_id]
+
+
+@dataclass
+class _InFlight:
+    """A decode step launched on the device whose sampled ids are not on the host yet."""
+
+    seqs: list[Sequence]
+    tokens: torch.Tensor  # [n] sampled ids, on the device
+    host: torch.Tensor  # [n] their copy on the host (pinned on CUDA), filled asynchronously
+    ready: torch.cuda.Event | None  # recorded after that copy (CUDA)
+
+    @classmethod
+    def start(cls, seqs: list[Sequence], tokens: torch.Tensor) -> "_InFlight":
+        if tokens.device.type != "cuda":
+            return cls(seqs, tokens, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(seqs, tokens, host, ready)
+
+    def wait(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()  # this step's copy only, not the step launched behind it
+        return self.host.tolist()
+
+
+def _async_ok(seq: Sequence) -> bool:
+    """A sequence whose next sampling reads nothing of its latest token on the host: no
+    grammar, penalties, logprobs or beams, and past its min_tokens bans."""
+    params = seq.params
+    return (seq.guide is None and not params.has_penalties and params.logprobs is None
+            and not params.use_beam_search and seq.num_output_tokens >= params.min_tokens)
 
 
 def _rows_of(logits: torch.Tensor, sampling_rows: list[int], rows: list[int]) -> torch.Tensor:

@@ -76,15 +76,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(
-        self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]
+        self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk],
+        decode_token_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[PromptLogitRows]]:
         """Run one step. Returns float32 logits: first one row per sampling chunk (decodes
         first), then the prompt-logprob rows described by the returned list. The logits
-        may be a view of a CUDA graph's output buffer: valid until the next step."""
+        may be a view of a CUDA graph's output buffer: valid until the next step.
+        `decode_token_ids` [D] (on the device): the decode rows' input tokens when they are
+        not on the host yet (async scheduling: the previous step's samples)."""
         graphs = self.decode_graphs
         if graphs is not None and not prefills and graphs.fits(len(decodes)) and not _feeds_images(decodes):
-            return graphs.run(decodes), []
-        inputs = self.prepare(decodes, prefills)
+            return graphs.run(decodes, decode_token_ids), []
+        inputs = self.prepare(decodes, prefills, decode_token_ids is not None)
+        if decode_token_ids is not None:
+            inputs.input_ids[0, : len(decodes)] = decode_token_ids
         if inputs.image_embeds is None:
             feed = {"input_ids": inputs.input_ids}
         else:
@@ -109,7 +114,9 @@ class ModelRunner:
         embeds[0, index] = inputs.image_embeds.to(embeds.dtype)
         return embeds
 
-    def prepare(self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]) -> ModelInputs:
+    def prepare(self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk],
+                decode_tokens_later: bool = False) -> ModelInputs:
+        """`decode_tokens_later`: the decode rows' token ids are filled in by the caller."""
         bs = self.block_size
         token_ids: list[int] = []
         positions: list[int] = []
@@ -119,7 +126,7 @@ class ModelRunner:
             seq = chunk.seq
             pos = seq.num_computed_tokens
             images.add(seq, pos, 1, row)
-            token_ids.append(seq.token_ids[pos])
+            token_ids.append(0 if decode_tokens_later else seq.token_ids[pos])
             positions.append(pos)
             slots.append(seq.block_table[pos // bs] * bs + pos % bs)
         pos_parts = [torch.tensor(positions, dtype=torch.long)]
