@@ -294,7 +294,8 @@ class LLMEngine:
         batch = self.scheduler.continue_decodes(flight.seqs, ending)
         if batch is None:
             return None
-        keep = [i for i, s in enumerate(flight.seqs) if id(s) not in ending]
+        row_of = {id(s): i for i, s in enumerate(flight.seqs)}
+        keep = [row_of[id(c.seq)] for c in batch.decodes]
         token_ids = flight.tokens if len(keep) == len(flight.seqs) else flight.tokens[
             torch.tensor(keep, device=flight.tokens.device)]
         try:

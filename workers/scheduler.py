@@ -103,10 +103,12 @@ class Scheduler:
 
     def continue_decodes(self, seqs: list[Sequence], finishing: set[int]) -> ScheduledBatch | None:
         """Async scheduling: the step after one whose tokens are still on the device. `seqs`
-        (that step's sequences, in its order) each feed one more token, except those in
-        `finishing` (ids of sequences its token ends by length). None when the step should
-        be scheduled normally instead: others are running or waiting to be admitted, blocks
-        would run out (preemption), or a failing request is being isolated."""
+        (that step's sequences, in its order) each feed one more token, except those that
+        ended meanwhile (a stop, an abort) and those in `finishing` (ids of sequences its
+        token ends by length). None when the step should be scheduled normally instead:
+        others are running or waiting to be admitted, blocks would run out (preemption),
+        or a failing request is being isolated."""
+        seqs = [s for s in seqs if not s.is_finished]
         if self.only_request is not None or len(self.running) != len(seqs):
             return None
         if self.waiting and len(self.running) < self.config.max_num_seqs:
