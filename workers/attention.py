@@ -99,7 +99,7 @@ def paged_attention(
             vp = v_cache[span.context_slots].transpose(0, 1).unsqueeze(0)
         mask = span.mask
         if layer.window is not None:
-            mask = _window_mask(qp.shape[2], kp.shape[2], layer.window, q.device)
+            mask = _causal_mask(qp.shape[2], kp.shape[2], q.device, layer.window)
         out[span.start : span.end] = _attend(qp, kp, vp, mask, layer)[0].transpose(0, 1)
     return out.unsqueeze(0), None
 
@@ -123,11 +123,13 @@ def _attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out.copy_(_attend(qd, kd, vd, mask, layer).squeeze(2))
 
 
-def _window_mask(q_len: int, kv_len: int, window: int, device: torch.device) -> torch.Tensor:
-    """[q, kv] bool: causal and within the window; the queries are the last q_len positions."""
+def _causal_mask(q_len: int, kv_len: int, device: torch.device, window: int | None = None) -> torch.Tensor:
+    """[q, kv] bool: causal, and within the sliding window if any; the queries are the
+    last q_len positions."""
     q_pos = torch.arange(kv_len - q_len, kv_len, device=device).unsqueeze(1)
     k_pos = torch.arange(kv_len, device=device).unsqueeze(0)
-    return (k_pos <= q_pos) & (k_pos > q_pos - window)
+    allowed = k_pos <= q_pos
+    return allowed if window is None else allowed & (k_pos > q_pos - window)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -141,7 +143,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * layer.scale / layer.softcap) * layer.softcap
     if mask is None:
-        mask = _window_mask(q.shape[2], k.shape[2], k.shape[2], q.device)
+        mask = _causal_mask(q.shape[2], k.shape[2], q.device)
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.matmul(scores.softmax(-1, dtype=torch.float32).to(v.dtype), v)
 

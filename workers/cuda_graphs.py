@@ -23,7 +23,7 @@ import torch
 
 from workers.attention import AttentionMetadata
 from workers.kv_cache import PagedKVCache
-from workers.model_runner import ScheduledChunk, decode_block_tables
+from workers.model_runner import ScheduledChunk, decode_block_tables, decode_rows
 
 logger = logging.getLogger(__name__)
 
@@ -106,16 +106,10 @@ class DecodeGraphs:
         rows' input tokens, when the host does not have them yet (async scheduling)."""
         n = len(decodes)
         size = next(s for s in self.sizes if s >= n)
-        bs, pad = self.block_size, size - n
-        ids, positions, slots, ctx_lens = [], [], [], []
-        for chunk in decodes:
-            seq = chunk.seq
-            pos = seq.num_computed_tokens
-            ids.append(0 if token_ids is not None else seq.token_ids[pos])
-            positions.append(pos)
-            slots.append(seq.block_table[pos // bs] * bs + pos % bs)
-            ctx_lens.append(pos + 1)
-        tables = decode_block_tables(decodes, ctx_lens, bs, self.pad_block, rows=size)
+        pad = size - n
+        ids, positions, slots = decode_rows(decodes, self.block_size, token_ids is None)
+        ctx_lens = [p + 1 for p in positions]
+        tables = decode_block_tables(decodes, ctx_lens, self.block_size, self.pad_block, rows=size)
         rows = [ids + [0] * pad, positions + [0] * pad, slots + [self.pad_slot] * pad, ctx_lens + [1] * pad]
         self.step_inputs[:, :size].copy_(torch.tensor(rows), non_blocking=True)
         self.block_tables[:size, : tables.shape[1]].copy_(tables, non_blocking=True)

@@ -289,9 +289,7 @@ class LLMEngine:
 
     def _launch_next(self, flight: "_InFlight") -> "_InFlight | None":
         """The next decode step, fed by `flight`'s ids on the device; None: drain instead."""
-        ending = {id(s) for s in flight.seqs
-                  if s.num_output_tokens + 1 >= s.params.max_tokens or s.num_tokens + 1 >= s.max_model_len}
-        batch = self.scheduler.continue_decodes(flight.seqs, ending)
+        batch = self.scheduler.continue_decodes(flight.seqs)
         if batch is None:
             return None
         row_of = {id(s): i for i, s in enumerate(flight.seqs)}

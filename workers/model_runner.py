@@ -87,9 +87,7 @@ class ModelRunner:
         graphs = self.decode_graphs
         if graphs is not None and not prefills and graphs.fits(len(decodes)) and not _feeds_images(decodes):
             return graphs.run(decodes, decode_token_ids), []
-        inputs = self.prepare(decodes, prefills, decode_token_ids is not None)
-        if decode_token_ids is not None:
-            inputs.input_ids[0, : len(decodes)] = decode_token_ids
+        inputs = self.prepare(decodes, prefills, decode_token_ids)
         if inputs.image_embeds is None:
             feed = {"input_ids": inputs.input_ids}
         else:
@@ -115,20 +113,13 @@ class ModelRunner:
         return embeds
 
     def prepare(self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk],
-                decode_tokens_later: bool = False) -> ModelInputs:
-        """`decode_tokens_later`: the decode rows' token ids are filled in by the caller."""
-        bs = self.block_size
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
+                decode_token_ids: torch.Tensor | None = None) -> ModelInputs:
+        """`decode_token_ids`: see forward()."""
+        token_ids, positions, slots = decode_rows(decodes, self.block_size, decode_token_ids is None)
         images = _ImageRows()
         for row, chunk in enumerate(decodes):
-            seq = chunk.seq
-            pos = seq.num_computed_tokens
-            images.add(seq, pos, 1, row)
-            token_ids.append(0 if decode_tokens_later else seq.token_ids[pos])
-            positions.append(pos)
-            slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+            images.add(chunk.seq, positions[row], 1, row)
+        decode_ctx_lens = [p + 1 for p in positions]
         pos_parts = [torch.tensor(positions, dtype=torch.long)]
         slot_parts = [torch.tensor(slots, dtype=torch.long)]
         logits_indices = list(range(len(decodes)))
@@ -162,9 +153,12 @@ class ModelRunner:
             decode_mask=None,
             prefills=spans,
         )
-        self._add_decode_context(metadata, decodes)
+        self._add_decode_context(metadata, decodes, decode_ctx_lens)
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=device).unsqueeze(0)
+        if decode_token_ids is not None:
+            input_ids[0, : len(decodes)] = decode_token_ids
         return ModelInputs(
-            input_ids=torch.tensor(token_ids, dtype=torch.long, device=device).unsqueeze(0),
+            input_ids=input_ids,
             position_ids=torch.cat(pos_parts).to(device).unsqueeze(0),
             logits_indices=torch.tensor(logits_indices + prompt_indices, dtype=torch.long, device=device),
             attn_metadata=metadata,
@@ -185,21 +179,37 @@ class ModelRunner:
         mask = (k_pos <= q_pos).to(self.device)
         return PrefillSpan(offset, offset + n, all_slots.to(self.device), mask)
 
-    def _add_decode_context(self, meta: AttentionMetadata, decodes: list[ScheduledChunk]) -> None:
+    def _add_decode_context(self, meta: AttentionMetadata, decodes: list[ScheduledChunk],
+                            ctx_lens: list[int]) -> None:
         """The decode rows' block tables [D, W] and context lengths [D], and for the SDPA
         path a context mask [D, 1, 1, W * block_size]."""
         if not decodes:
             return
-        ctx_lens = [c.seq.num_computed_tokens + 1 for c in decodes]
         tables = decode_block_tables(decodes, ctx_lens, self.block_size)
+        lens = torch.tensor(ctx_lens, dtype=torch.int32)
         meta.decode_blocks = tables.to(self.device)
-        meta.decode_context_lens = torch.tensor(ctx_lens, dtype=torch.int32).to(self.device)
+        meta.decode_context_lens = lens.to(self.device)
         if self.triton_decode:
             meta.triton_decode = True
             return
         width = tables.shape[1] * self.block_size
-        mask = torch.arange(width).unsqueeze(0) < torch.tensor(ctx_lens).unsqueeze(1)
+        mask = torch.arange(width).unsqueeze(0) < lens.unsqueeze(1)
         meta.decode_mask = mask.view(len(decodes), 1, 1, width).to(self.device)
+
+
+def decode_rows(decodes: list[ScheduledChunk], block_size: int,
+                with_tokens: bool = True) -> tuple[list[int], list[int], list[int]]:
+    """(input token ids, positions, KV slots) of the decode rows: each feeds the token at
+    its first uncomputed position. `with_tokens` False: the ids are 0, for the caller to
+    fill from the device (async scheduling: they are not on the host yet)."""
+    ids, positions, slots = [], [], []
+    for chunk in decodes:
+        seq = chunk.seq
+        pos = seq.num_computed_tokens
+        ids.append(seq.token_ids[pos] if with_tokens else 0)
+        positions.append(pos)
+        slots.append(seq.block_table[pos // block_size] * block_size + pos % block_size)
+    return ids, positions, slots
 
 
 def decode_block_tables(decodes: list[ScheduledChunk], ctx_lens: list[int], block_size: int,

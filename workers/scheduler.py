@@ -101,28 +101,28 @@ class Scheduler:
             self._schedule_waiting(batch, budget)
         return batch
 
-    def continue_decodes(self, seqs: list[Sequence], finishing: set[int]) -> ScheduledBatch | None:
+    def continue_decodes(self, seqs: list[Sequence]) -> ScheduledBatch | None:
         """Async scheduling: the step after one whose tokens are still on the device. `seqs`
         (that step's sequences, in its order) each feed one more token, except those that
-        ended meanwhile (a stop, an abort) and those in `finishing` (ids of sequences its
-        token ends by length). None when the step should be scheduled normally instead:
-        others are running or waiting to be admitted, blocks would run out (preemption),
-        or a failing request is being isolated."""
-        seqs = [s for s in seqs if not s.is_finished]
-        if self.only_request is not None or len(self.running) != len(seqs):
+        ended meanwhile (a stop, an abort) or that the pending token ends by length. None
+        when the step should be scheduled normally instead: others are running or waiting
+        to be admitted, blocks would run out (preemption), or a failing request is being
+        isolated."""
+        live = [s for s in seqs if not s.is_finished]
+        if self.only_request is not None or self.running != live:  # identity: Sequence has eq=False
             return None
         if self.waiting and len(self.running) < self.config.max_num_seqs:
             return None  # admit them now rather than after the pipeline drains
-        if any(a is not b for a, b in zip(self.running, seqs)):
-            return None
-        batch = ScheduledBatch()
-        next_seqs = [s for s in seqs if id(s) not in finishing]
+        next_seqs = [s for s in live if not s.reaches_length_limit(pending=1)]
         if not next_seqs or len(next_seqs) > self.config.max_num_batched_tokens:
             return None
-        if sum(self.blocks.blocks_needed(s, 1) for s in next_seqs) > self.blocks.num_free_blocks:
+        needed = [self.blocks.blocks_needed(s, 1) for s in next_seqs]
+        if sum(needed) > self.blocks.num_free_blocks:
             return None
-        for seq in next_seqs:
-            batch.block_copies.extend(self.blocks.allocate(seq, 1))
+        batch = ScheduledBatch()
+        for seq, n in zip(next_seqs, needed):
+            if n:  # most steps need no new block
+                batch.block_copies.extend(self.blocks.allocate(seq, 1))
             batch.decodes.append(ScheduledChunk(seq, 1, True))
         return batch
 

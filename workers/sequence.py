@@ -135,6 +135,12 @@ class Sequence:
         if token_id in params.stop_token_ids:
             self.stop_token_id = token_id
             return FinishReason.STOP
-        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= self.max_model_len:
+        if self.reaches_length_limit():
             return FinishReason.LENGTH
         return None
+
+    def reaches_length_limit(self, pending: int = 0) -> bool:
+        """Whether max_tokens or the context window is reached once `pending` more tokens
+        are appended (async scheduling knows one token is on its way)."""
+        return (self.num_output_tokens + pending >= self.params.max_tokens
+                or self.num_tokens + pending >= self.max_model_len)
