@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import dataclasses
 import json
 import statistics
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workers import cpu_linear
 from workers.attention import register_paged_attention
 from workers.engine import EngineLimits, LLMEngine
 from workers.host_memory import keep_freed_memory
@@ -142,6 +144,27 @@ def _one_decode_run(model, prompt_ids: list[int], batch: int, steps: int, tokeni
     eng, _ = engine_decode_ms(model, prompt_ids, batch, steps)
     guided, mask = engine_decode_ms(model, prompt_ids, batch, steps, tokenizer) if tokenizer else (0.0, 0.0)
     return raw, eng, guided, mask
+
+
+def run_packing(args, loaded) -> None:
+    """Raw decode step of the plain model against a packed copy, alternating in one process
+    (the fairest A/B on a noisy machine), and what the load-time probe would decide."""
+    model, prompt_ids = loaded.model, loaded.tokenizer(PROMPT)["input_ids"]
+    model.set_attn_implementation("sdpa")
+    packs_float32 = cpu_linear.float32_packing_pays(model)
+    packed = copy.deepcopy(model)
+    print(f"packed {cpu_linear.pack_linear_layers(packed, float32=True)} layers; "
+          f"the probe {'would' if packs_float32 else 'would not'} pack float32 on this CPU", flush=True)
+    with torch.inference_mode():
+        for batch in args.batch:
+            runs = {"plain": [], "packed": []}
+            for _ in range(args.repeat):
+                runs["plain"].append(raw_decode_ms(model, prompt_ids, batch, args.steps))
+                runs["packed"].append(raw_decode_ms(packed, prompt_ids, batch, args.steps))
+            med = {k: statistics.median(v) for k, v in runs.items()}
+            print(f"batch={batch:<3} plain {med['plain']:7.1f} ms/step (min {min(runs['plain']):7.1f})   "
+                  f"packed {med['packed']:7.1f} ms/step (min {min(runs['packed']):7.1f})   "
+                  f"median speed-up {med['plain'] / med['packed']:.2f}x", flush=True)
 
 
 # --- offline: the serving load, straight into the engine ----------------------------------
@@ -355,8 +378,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="as the model config's dtype (auto: workers/model_loader.py picks)")
-    parser.add_argument("--no-pack", action="store_true", help="bfloat16 on CPU: plain torch linear layers, as "
-                        "transformers runs them (default: oneDNN-packed weights, as the worker loads them)")
+    parser.add_argument("--no-pack", action="store_true", help="CPU: plain torch linear layers, as transformers "
+                        "runs them (default: oneDNN-packed weights where the worker would pack them)")
     sub = parser.add_subparsers(dest="command", required=True)
     decode = sub.add_parser("decode", help="decode step: engine vs raw HF forward (the raw model-forward rate)")
     decode.add_argument("--batch", type=int, nargs="+", default=[1, 16, 32])
@@ -364,6 +387,10 @@ def main(argv: list[str] | None = None) -> None:
     decode.add_argument("--guided", action="store_true", help="also time every row under a JSON schema")
     decode.add_argument("--repeat", type=int, default=1, help="runs per setting, interleaved; the fastest is shown "
                         "(on a shared machine the minimum is the least disturbed)")
+    packing = sub.add_parser("packing", help="raw decode step, plain vs oneDNN-packed weights, alternating")
+    packing.add_argument("--batch", type=int, nargs="+", default=[1, 16, 32, 64])
+    packing.add_argument("--steps", type=int, default=10)
+    packing.add_argument("--repeat", type=int, default=5)
     offline = sub.add_parser("offline", help="the HTTP bench's load straight into the engine")
     offline.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 32, 64])
     offline.add_argument("--num-requests", type=int, default=None, help="per level; default 2 x concurrency, >= 8")
@@ -392,10 +419,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.source, dtype=args.dtype, pack_cpu_weights=not args.no_pack)
+    loaded = load_model(args.source, dtype=args.dtype, pack_cpu_weights=not args.no_pack and args.command != "packing")
     if args.command != "decode":
         loaded.model.set_attn_implementation(register_paged_attention())
-    {"decode": run_decode, "offline": run_offline, "prefix": run_prefix, "fairness": run_fairness}[args.command](
+    {"decode": run_decode, "packing": run_packing, "offline": run_offline, "prefix": run_prefix, "fairness": run_fairness}[args.command](
         args, loaded)
 
 

@@ -87,7 +87,8 @@ class ModelConfig(_Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto: bfloat16 on CPUs with AMX, else float32; the checkpoint's own on CUDA")
     pack_cpu_weights: bool = Field(
-        True, description="bfloat16 on CPU: pack linear weights for oneDNN once at load (same numbers, faster)")
+        True, description="CPU: pack linear weights for oneDNN once at load; bfloat16 always (same numbers, "
+        "faster), float32 where a load-time probe finds it faster on this CPU")
     engine: EngineConfig = EngineConfig()
     deployment: DeploymentConfig = DeploymentConfig()
     cache_dir: str | None = Field(None, description="where converted models are kept")

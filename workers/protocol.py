@@ -116,7 +116,7 @@ class ModelInfo:
     block_size: int
     accepts_images: bool = False  # a vision-language model
     dtype: str = ""  # what the weights run in (`auto` resolved), e.g. "bfloat16"
-    packed_linear_layers: int = 0  # bfloat16 on CPU: layers with oneDNN-packed weights
+    packed_linear_layers: int = 0  # CPU: layers with oneDNN-packed weights (bfloat16, or float32 where faster)
     decode_attention: str = "sdpa"  # "triton": the paged kernel (CUDA); "sdpa": over a gather
     cuda_graph_max_batch: int = 0  # decode steps up to this batch replay CUDA graphs (0: none)
 
