@@ -422,8 +422,9 @@ def main(argv: list[str] | None = None) -> None:
     loaded = load_model(args.source, dtype=args.dtype, pack_cpu_weights=not args.no_pack and args.command != "packing")
     if args.command != "decode":
         loaded.model.set_attn_implementation(register_paged_attention())
-    {"decode": run_decode, "packing": run_packing, "offline": run_offline, "prefix": run_prefix, "fairness": run_fairness}[args.command](
-        args, loaded)
+    commands = {"decode": run_decode, "packing": run_packing, "offline": run_offline, "prefix": run_prefix,
+                "fairness": run_fairness}
+    commands[args.command](args, loaded)
 
 
 if __name__ == "__main__":

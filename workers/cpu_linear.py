@@ -125,7 +125,7 @@ def pack_linear_layers(model: nn.Module, float32: bool | None = None) -> int:
     if onednn_bf16_available():
         dtypes.append(torch.bfloat16)
     if float32 is None:
-        float32 = any(_packable(m, torch.float32) for m in model.modules()) and float32_packing_pays(model)
+        float32 = float32_packing_pays(model)  # False at once for a model with no float32 CPU layer
     if float32 and torch.backends.mkldnn.is_available():
         dtypes.append(torch.float32)
     swapped = 0
