@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from workers.protocol import GenerationChunk, WorkerStats
+from workers.serve_logs import route_to_serve_log
 
 request_logger = logging.getLogger("chatserve.requests")
 logger = logging.getLogger("chatserve.metrics")
@@ -51,20 +52,9 @@ def current_record() -> RequestRecord | None:
 
 
 def route_request_log_to_serve() -> None:
-    """In a Serve replica, write `chatserve.requests` to the replica's Serve log at INFO.
-
-    Ray Serve configures only the `ray.serve` logger (the root logger of a Ray worker is
-    at WARNING), so without this the INFO lines would go nowhere. Left alone when the
-    logger was already configured (a level or a handler of its own)."""
-    if request_logger.handlers or request_logger.level != logging.NOTSET:
-        return
-    handlers = logging.getLogger("ray.serve").handlers
-    if not handlers:
-        return
-    for handler in handlers:
-        request_logger.addHandler(handler)
-    request_logger.setLevel(logging.INFO)
-    request_logger.propagate = False  # the Serve handlers already write it once
+    """In a Serve replica, write `chatserve.requests` to the replica's Serve log at INFO
+    (workers/serve_logs.py says why it would go nowhere otherwise)."""
+    route_to_serve_log(request_logger)
 
 
 class IngressMetrics:

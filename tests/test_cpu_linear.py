@@ -174,7 +174,9 @@ def test_worker_reports_its_dtype_and_packing(tiny_model_dir, monkeypatch, dtype
 
     info, interval = asyncio.run(body())
     assert info.dtype == dtype and interval == 3
-    linears = 2 * 7 + 1  # the tiny Llama: 2 layers x (q, k, v, o, gate, up, down) + the LM head
+    # The tiny Llama, its projections fused by default: 2 layers x (q/k/v, o, gate/up, down) + the LM head.
+    linears = 2 * 4 + 1
     packs = pack and (dtype == "bfloat16" or float32_pays)
     assert info.packed_linear_layers == (linears if packs else 0)
+    assert info.fused_projections == 2 * 2
     assert info.decode_attention == "sdpa" and info.cuda_graph_max_batch == 0  # a CPU worker

@@ -94,7 +94,7 @@ def test_graph_runner_under_interpreter():
            "-k", "interpreted"]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
-    assert "1 passed" in result.stdout, result.stdout[-2000:]
+    assert "2 passed" in result.stdout, result.stdout[-2000:]
 
 
 class _EagerReplay:
@@ -124,17 +124,24 @@ def _engine(model, graphs: bool, num_blocks: int) -> tuple[LLMEngine, list]:
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="run in a child by test_graph_runner_under_interpreter")
-def test_interpreted_graph_steps_match_the_sdpa_engine():
+@pytest.mark.parametrize("fuse", [False, True], ids=["separate", "fused-projections"])
+def test_interpreted_graph_steps_match_the_sdpa_engine(fuse):
+    import copy
+
     from tests.tiny_models import build_tiny_llama
     from workers.attention import register_paged_attention
+    from workers.fused_projections import fuse_sibling_projections
 
     model = build_tiny_llama(VOCAB)
     model.set_attn_implementation(register_paged_attention())
+    graphed_model = copy.deepcopy(model)
+    if fuse:  # the graphs' static buffers feed q/k/v and gate/up as one multiply each
+        assert fuse_sibling_projections(graphed_model) == 2 * model.config.num_hidden_layers
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (5, 17, 1, 30, 9, 12, 3)]
     max_tokens = [3, 9, 6, 4, 8, 2, 7]  # the batch shrinks: 7 rows in size 8, then 4, 2, 1
     reference, _ = _engine(model, graphs=False, num_blocks=128)
-    graphed, calls = _engine(model, graphs=True, num_blocks=128)
+    graphed, calls = _engine(graphed_model, graphs=True, num_blocks=128)
     # Poison the pool: a row that read a slot it never wrote would turn the logits NaN.
     graphed.kv_cache.keys.fill_(float("nan"))
     graphed.kv_cache.values.fill_(float("nan"))

@@ -11,6 +11,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 from workers.attention import register_paged_attention  # noqa: E402
 from workers.engine import EngineLimits, LLMEngine  # noqa: E402
+from workers.fused_projections import fuse_sibling_projections  # noqa: E402
 from workers.kv_cache import KVCacheShape  # noqa: E402
 from workers.sampling_params import SamplingParams  # noqa: E402
 
@@ -44,8 +45,10 @@ def test_triton_kernel_on_cuda(head_dim, group, splits):
     assert _kernel_case(torch.bfloat16, head_dim, group, seed=head_dim + 1, splits=splits) < 1e-2
 
 
-def _model(dtype=torch.float32):
+def _model(dtype=torch.float32, fuse: bool = False):
     model = build_tiny_llama(VOCAB).to(device=CUDA, dtype=dtype)
+    if fuse:  # q/k/v and gate/up as one multiply each, as the loader does
+        assert fuse_sibling_projections(model) == 2 * model.config.num_hidden_layers
     model.set_attn_implementation(register_paged_attention())
     return model
 
@@ -65,8 +68,10 @@ def _prompts(count: int, seed: int = 3) -> list[list[int]]:
             for n in torch.randint(1, 60, (count,), generator=gen)]
 
 
-def test_graph_steps_match_eager_and_transformers():
-    model = _model()
+@pytest.mark.parametrize("fuse", [False, True], ids=["separate", "fused-projections"])
+def test_graph_steps_match_eager_and_transformers(fuse):
+    model = _model(fuse=fuse)
+    reference = _model()  # the same weights (seeded), transformers' own projections
     prompts = _prompts(19)
     # Different lengths: the batch shrinks through several graph sizes (19 -> 16 -> 8 ...).
     max_tokens = [4 + 3 * i for i in range(len(prompts))]
@@ -79,10 +84,9 @@ def test_graph_steps_match_eager_and_transformers():
     for prompt, tokens, n in zip(prompts[:4], got, max_tokens):
         x = torch.tensor([prompt], device=CUDA)
         with torch.inference_mode():
-            model.set_attn_implementation("sdpa")
-            ref = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n,
-                                 eos_token_id=None, pad_token_id=0)
-            model.set_attn_implementation(register_paged_attention())
+            reference.set_attn_implementation("sdpa")
+            ref = reference.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n,
+                                     eos_token_id=None, pad_token_id=0)
         assert tokens == ref[0, len(prompt):].tolist()
 
 

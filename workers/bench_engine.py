@@ -2,6 +2,8 @@
 
     python -m workers.bench_engine decode --batch 1 16 32       # decode step: engine vs raw HF forward
     python -m workers.bench_engine decode --batch 1 16 --guided # also: every row under a JSON schema
+    python -m workers.bench_engine packing   # raw decode step: plain vs oneDNN-packed weights, alternating
+    python -m workers.bench_engine fusion    # raw decode step: separate vs fused q/k/v and gate/up
     python -m workers.bench_engine offline --concurrency 1 16 32 64 --max-tokens 64
     python -m workers.bench_engine worker --concurrency 1 32  # the worker's request path, no Ray
     python -m workers.bench_engine prefix --prefix-tokens 1000  # TTFT: first vs second request sharing a prefix
@@ -38,6 +40,7 @@ import torch
 from workers import cpu_linear
 from workers.attention import register_paged_attention
 from workers.engine import EngineLimits, LLMEngine
+from workers.fused_projections import fuse_sibling_projections
 from workers.host_memory import keep_freed_memory
 from workers.model_loader import load_model
 from workers.sampling_params import GuidedDecoding, SamplingParams
@@ -149,22 +152,43 @@ def _one_decode_run(model, prompt_ids: list[int], batch: int, steps: int, tokeni
 def run_packing(args, loaded) -> None:
     """Raw decode step of the plain model against a packed copy, alternating in one process
     (the fairest A/B on a noisy machine), and what the load-time probe would decide."""
-    model, prompt_ids = loaded.model, loaded.tokenizer(PROMPT)["input_ids"]
+    model = loaded.model
     model.set_attn_implementation("sdpa")
     packs_float32 = cpu_linear.float32_packing_pays(model)
     packed = copy.deepcopy(model)
     print(f"packed {cpu_linear.pack_linear_layers(packed, float32=True)} layers; "
           f"the probe {'would' if packs_float32 else 'would not'} pack float32 on this CPU", flush=True)
-    with torch.inference_mode():
-        for batch in args.batch:
-            runs = {"plain": [], "packed": []}
-            for _ in range(args.repeat):
-                runs["plain"].append(raw_decode_ms(model, prompt_ids, batch, args.steps))
-                runs["packed"].append(raw_decode_ms(packed, prompt_ids, batch, args.steps))
-            med = {k: statistics.median(v) for k, v in runs.items()}
-            print(f"batch={batch:<3} plain {med['plain']:7.1f} ms/step (min {min(runs['plain']):7.1f})   "
-                  f"packed {med['packed']:7.1f} ms/step (min {min(runs['packed']):7.1f})   "
-                  f"median speed-up {med['plain'] / med['packed']:.2f}x", flush=True)
+    alternate_decode_steps(args, loaded.tokenizer(PROMPT)["input_ids"], {"plain": model, "packed": packed})
+
+
+def run_fusion(args, loaded) -> None:
+    """Raw decode step with separate q/k/v and gate/up projections against fused ones
+    (workers/fused_projections.py), both packed as the loader would, alternating."""
+    model = loaded.model
+    model.set_attn_implementation("sdpa")
+    fused = copy.deepcopy(model)
+    groups = fuse_sibling_projections(fused)
+    if not args.no_pack:
+        packs_float32 = cpu_linear.float32_packing_pays(model)  # one decision for both sides
+        cpu_linear.pack_linear_layers(model, float32=packs_float32)
+        cpu_linear.pack_linear_layers(fused, float32=packs_float32)
+    print(f"fused {groups} groups; packed: {not args.no_pack}", flush=True)
+    alternate_decode_steps(args, loaded.tokenizer(PROMPT)["input_ids"], {"separate": model, "fused": fused})
+
+
+@torch.inference_mode()
+def alternate_decode_steps(args, prompt_ids: list[int], models: dict[str, torch.nn.Module]) -> None:
+    """Per batch size: `args.repeat` rounds, each timing every model once in turn; the
+    medians (and the fastest) side by side, and the speed-up of the last over the first."""
+    (first, *_, last) = models
+    for batch in args.batch:
+        runs: dict[str, list[float]] = {name: [] for name in models}
+        for _ in range(args.repeat):
+            for name, model in models.items():
+                runs[name].append(raw_decode_ms(model, prompt_ids, batch, args.steps))
+        med = {name: statistics.median(times) for name, times in runs.items()}
+        sides = "   ".join(f"{name} {med[name]:7.1f} ms/step (min {min(runs[name]):7.1f})" for name in models)
+        print(f"batch={batch:<3} {sides}   median speed-up {med[first] / med[last]:.2f}x", flush=True)
 
 
 # --- offline: the serving load, straight into the engine ----------------------------------
@@ -262,7 +286,8 @@ async def worker_level(processor, prompt: str, concurrency: int, num_requests: i
     return OfflineReport.of(concurrency, num_requests, time.perf_counter() - start, tokens, ttfts, tpots)
 
 
-async def start_worker(source: str, threads: int | None = None, dtype: str = "auto", pack: bool = True):
+async def start_worker(source: str, threads: int | None = None, dtype: str = "auto", pack: bool = True,
+                       fuse: bool = True):
     """(AsyncEngine, RequestProcessor) as the deployment builds them: the model loaded on
     the engine's own thread. The caller stops the engine."""
     from workers.async_engine import AsyncEngine
@@ -274,7 +299,7 @@ async def start_worker(source: str, threads: int | None = None, dtype: str = "au
         if threads:
             torch.set_num_threads(threads)
         loaded = load_model(source, dtype=dtype, attn_implementation=register_paged_attention(),
-                            pack_cpu_weights=pack)
+                            pack_cpu_weights=pack, fuse_projections=fuse)
         tokenizers.append(loaded.tokenizer)
         return new_engine(loaded.model, loaded.tokenizer)
 
@@ -283,7 +308,7 @@ async def start_worker(source: str, threads: int | None = None, dtype: str = "au
 
 
 async def run_worker(args) -> None:
-    engine, processor = await start_worker(args.source, args.threads, args.dtype, not args.no_pack)
+    engine, processor = await start_worker(args.source, args.threads, args.dtype, not args.no_pack, not args.no_fuse)
     try:
         await worker_level(processor, args.prompt, 1, 2, 4)  # warm-up
         for concurrency in args.concurrency:
@@ -380,6 +405,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="as the model config's dtype (auto: workers/model_loader.py picks)")
     parser.add_argument("--no-pack", action="store_true", help="CPU: plain torch linear layers, as transformers "
                         "runs them (default: oneDNN-packed weights where the worker would pack them)")
+    parser.add_argument("--no-fuse", action="store_true", help="separate q/k/v and gate/up projections, as "
+                        "transformers runs them (default: fused, as the worker loads them)")
     sub = parser.add_subparsers(dest="command", required=True)
     decode = sub.add_parser("decode", help="decode step: engine vs raw HF forward (the raw model-forward rate)")
     decode.add_argument("--batch", type=int, nargs="+", default=[1, 16, 32])
@@ -391,6 +418,10 @@ def main(argv: list[str] | None = None) -> None:
     packing.add_argument("--batch", type=int, nargs="+", default=[1, 16, 32, 64])
     packing.add_argument("--steps", type=int, default=10)
     packing.add_argument("--repeat", type=int, default=5)
+    fusion = sub.add_parser("fusion", help="raw decode step, separate vs fused q/k/v and gate/up, alternating")
+    fusion.add_argument("--batch", type=int, nargs="+", default=[1, 16, 32, 64])
+    fusion.add_argument("--steps", type=int, default=10)
+    fusion.add_argument("--repeat", type=int, default=5)
     offline = sub.add_parser("offline", help="the HTTP bench's load straight into the engine")
     offline.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 32, 64])
     offline.add_argument("--num-requests", type=int, default=None, help="per level; default 2 x concurrency, >= 8")
@@ -419,11 +450,13 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.source, dtype=args.dtype, pack_cpu_weights=not args.no_pack and args.command != "packing")
+    ab_test = args.command in ("packing", "fusion")  # these build their own variants
+    loaded = load_model(args.source, dtype=args.dtype, pack_cpu_weights=not (args.no_pack or ab_test),
+                        fuse_projections=not (args.no_fuse or args.command == "fusion"))
     if args.command != "decode":
         loaded.model.set_attn_implementation(register_paged_attention())
-    commands = {"decode": run_decode, "packing": run_packing, "offline": run_offline, "prefix": run_prefix,
-                "fairness": run_fairness}
+    commands = {"decode": run_decode, "packing": run_packing, "fusion": run_fusion, "offline": run_offline,
+                "prefix": run_prefix, "fairness": run_fairness}
     commands[args.command](args, loaded)
 
 

@@ -30,6 +30,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from workers.attention import register_paged_attention
 from workers.config import EngineConfig
 from workers.engine import EngineLimits, LLMEngine
+from workers.fused_projections import fuse_sibling_projections
 from workers.kv_cache import KVCacheShape
 from workers.kv_sizing import resolve_kv_cache_bytes
 from workers.sampling_params import SamplingParams
@@ -223,8 +224,11 @@ def _sync(device: torch.device) -> None:
 
 
 def run_shape(shape: str, load: Load, device: torch.device, dtype: torch.dtype, skip_hf: bool,
-              cuda_graphs: bool, profile: bool = False, async_scheduling: bool = True) -> ShapeReport:
+              cuda_graphs: bool, profile: bool = False, async_scheduling: bool = True,
+              fuse: bool = True) -> ShapeReport:
     model = build_model(shape, dtype, device)
+    if fuse:  # as the worker loads a model; generate_batch then runs the fused model too
+        fuse_sibling_projections(model)
     vocab = model.config.vocab_size
     params_b = sum(p.numel() for p in model.parameters()) / 1e9
     engine = make_engine(model, load, device, cuda_graphs, async_scheduling)
@@ -273,6 +277,7 @@ def main(argv: list[str] | None = None) -> list[ShapeReport]:
     parser.add_argument("--no-cuda-graphs", action="store_true", help="engine decode steps eager")
     parser.add_argument("--profile", action="store_true", help="print the host's hottest functions in decode steps")
     parser.add_argument("--no-async", action="store_true", help="engine steps one at a time (no async scheduling)")
+    parser.add_argument("--no-fuse", action="store_true", help="separate q/k/v and gate/up projections")
     parser.add_argument("--json", default=None, help="also write the reports here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the graph-capture line
@@ -289,7 +294,7 @@ def main(argv: list[str] | None = None) -> list[ShapeReport]:
     reports = []
     for shape in shapes:
         report = run_shape(shape, load, device, dtype, args.skip_hf, not args.no_cuda_graphs, args.profile,
-                           not args.no_async)
+                           not args.no_async, not args.no_fuse)
         print(report.line(), flush=True)
         reports.append(report)
     if args.json:

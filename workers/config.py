@@ -89,6 +89,9 @@ class ModelConfig(_Strict):
     pack_cpu_weights: bool = Field(
         True, description="CPU: pack linear weights for oneDNN once at load; bfloat16 always (same numbers, "
         "faster), float32 where a load-time probe finds it faster on this CPU")
+    fuse_projections: bool = Field(
+        True, description="run each layer's q/k/v projections, and its gate/up projections, as one matrix "
+        "multiply each (fewer, wider weight passes)")
     engine: EngineConfig = EngineConfig()
     deployment: DeploymentConfig = DeploymentConfig()
     cache_dir: str | None = Field(None, description="where converted models are kept")

@@ -17,11 +17,13 @@ from workers.attention import register_paged_attention
 from workers.config import ModelConfig
 from workers.cpu_linear import PackedLinear
 from workers.engine import EngineLimits, LLMEngine
+from workers.fused_projections import FusedProjection
 from workers.host_memory import keep_freed_memory
 from workers.kv_sizing import resolve_kv_cache_bytes
 from workers.model_loader import LoadedModel, load_model
 from workers.protocol import GenerateRequest, GenerationChunk, ModelInfo, WorkerStats
 from workers.request_processor import RequestProcessor, Timeouts
+from workers.serve_logs import route_to_serve_log
 from workers.vision_prompts import VisionPromptBuilder
 
 logger = logging.getLogger(__name__)
@@ -51,7 +53,7 @@ def build_engine(config: ModelConfig) -> tuple[LLMEngine, LoadedModel]:
     attn = register_paged_attention()
     cache_dir = Path(config.cache_dir) if config.cache_dir else None
     loaded = load_model(config.source, config.device, config.dtype, cache_dir, attn_implementation=attn,
-                        pack_cpu_weights=config.pack_cpu_weights)
+                        pack_cpu_weights=config.pack_cpu_weights, fuse_projections=config.fuse_projections)
     model_window = getattr(loaded.model.config.get_text_config(), "max_position_embeddings", None) or 2048
     eng = config.engine
     device = torch.device(config.device)
@@ -91,6 +93,7 @@ def _eos_token_ids(loaded) -> frozenset[int]:
 @serve.deployment(name="ModelWorker", health_check_period_s=10, health_check_timeout_s=30)
 class ModelWorker:
     def __init__(self, model_config: dict) -> None:
+        route_to_serve_log(logging.getLogger("workers"))  # the ready line, the packing probe, engine errors
         self.config = ModelConfig.model_validate(model_config)
         models: list[LoadedModel] = []
 
@@ -123,6 +126,7 @@ class ModelWorker:
             accepts_images=self.processor.vision is not None,
             dtype=str(core.runner.model.dtype).removeprefix("torch."),
             packed_linear_layers=sum(isinstance(m, PackedLinear) for m in core.runner.model.modules()),
+            fused_projections=sum(isinstance(m, FusedProjection) for m in core.runner.model.modules()),
             decode_attention="triton" if core.runner.triton_decode else "sdpa",
             cuda_graph_max_batch=core.runner.decode_graphs.max_batch if core.runner.decode_graphs else 0,
         )

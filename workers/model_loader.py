@@ -30,6 +30,7 @@ from transformers import (
 
 from workers.config import BUILTIN_DEFAULT_MODEL
 from workers.cpu_linear import has_native_bf16_matmul, pack_linear_layers
+from workers.fused_projections import fuse_sibling_projections
 
 logger = logging.getLogger(__name__)
 
@@ -119,10 +120,13 @@ def load_model(
     cache_dir: Path | None = None,
     attn_implementation: str | None = None,
     pack_cpu_weights: bool = True,
+    fuse_projections: bool = True,
 ) -> LoadedModel:
-    """`pack_cpu_weights`: a CPU model's linear weights are packed for oneDNN once
-    (workers/cpu_linear.py): always in bfloat16 (the same numbers, faster), in float32 where
-    a short probe finds oneDNN faster than torch's own linear on this CPU."""
+    """`fuse_projections`: each layer's q/k/v and gate/up projections run as one matrix
+    multiply each (workers/fused_projections.py). `pack_cpu_weights`: a CPU model's linear
+    weights are packed for oneDNN once (workers/cpu_linear.py): always in bfloat16 (the same
+    numbers, faster), in float32 where a short probe finds oneDNN faster than torch's own
+    linear on this CPU."""
     path = prepare_model_dir(source, cache_dir)
     config = AutoConfig.from_pretrained(path)
     kwargs = {"dtype": resolve_dtype(dtype, device)}
@@ -135,6 +139,10 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
         model.to(device).eval()
         loaded = LoadedModel(model=model, tokenizer=tokenizer, path=path)
+    if fuse_projections:  # before packing: the stacked weights are what get packed
+        fused = fuse_sibling_projections(loaded.model)
+        if fused:
+            logger.info("fused %d groups of sibling projections", fused)
     if pack_cpu_weights:
         packed = pack_linear_layers(loaded.model)
         if packed:
