@@ -66,7 +66,10 @@ def test_any_call_order_and_input_gives_the_right_columns():
         check("v_proj", x)
 
 
-def test_the_product_is_released_once_every_sibling_took_its_share():
+@pytest.mark.parametrize("release", ["last-sibling-called", "input-freed"])
+def test_the_product_is_released(release):
+    """Held until every sibling took its columns, or until the input is freed: a layer that
+    never calls v_proj (K/V shared from another layer) keeps neither past that layer."""
     fused = _attention(bias=False)
     fuse_sibling_projections(fused)
     group = fused.q_proj.fused
@@ -74,21 +77,10 @@ def test_the_product_is_released_once_every_sibling_took_its_share():
     fused.q_proj(x)
     fused.k_proj(x)
     assert group._input() is x and group._product is not None
-    fused.v_proj(x)
-    assert group._input is None and group._product is None
-
-
-def test_a_skipped_sibling_does_not_keep_the_product():
-    """A layer that never calls v_proj (K/V shared from another layer): the product goes
-    with its input, and the input is not kept alive by it."""
-    fused = _attention(bias=False)
-    fuse_sibling_projections(fused)
-    group = fused.q_proj.fused
-    x = torch.randn(2, 32)
-    fused.q_proj(x)
-    fused.k_proj(x)
-    assert group._product is not None
-    del x
+    if release == "last-sibling-called":
+        fused.v_proj(x)
+    else:
+        del x
     assert group._input is None and group._product is None
 
 
