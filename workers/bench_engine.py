@@ -169,7 +169,7 @@ def run_fusion(args, loaded) -> None:
     fused = copy.deepcopy(model)
     groups = fuse_sibling_projections(fused)
     if not args.no_pack:
-        packs_float32 = cpu_linear.float32_packing_pays(model)  # one decision for both sides
+        packs_float32 = cpu_linear.float32_packing_pays(fused)  # the loader's decision, for both sides
         cpu_linear.pack_linear_layers(model, float32=packs_float32)
         cpu_linear.pack_linear_layers(fused, float32=packs_float32)
     print(f"fused {groups} groups; packed: {not args.no_pack}", flush=True)

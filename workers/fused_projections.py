@@ -3,9 +3,10 @@
 transformers' attention calls `q_proj(x)`, `k_proj(x)` and `v_proj(x)` one after the
 other, and its gated MLP `gate_proj(x)` and `up_proj(x)`: seven weight passes a layer
 where three would do. One wide multiply streams the same weights with fewer calls and
-a larger output dimension per call; on the 2-core AVX2 CPU the default model's linear
-layers take 13 % less time at batch 1 and 12 % less at 64 (docs/BENCHMARKS.md), and on a
-GPU it is the usual fusion (vLLM's QKVParallelLinear / MergedColumnParallelLinear).
+a larger output dimension per call. On the 2-core AVX2 CPU the default model's linear
+layers alone take 12-13 % less time at 1 and 64 rows, and its whole decode step 4-5 % less
+at batch 1 and 0-2 % at 16-64 (docs/BENCHMARKS.md); on a GPU it is the usual fusion
+(vLLM's QKVParallelLinear / MergedColumnParallelLinear), not measured there yet.
 
 The model's code is left as it is: each sibling becomes a `ProjectionSlice` of one shared
 `FusedProjection`. The first sibling called with an input computes the wide product
@@ -23,6 +24,7 @@ layer's product past that layer.
 from __future__ import annotations
 
 import weakref
+from itertools import accumulate
 
 import torch
 from torch import nn
@@ -48,7 +50,7 @@ class FusedProjection(nn.Module):
             self.linear.weight = nn.Parameter(torch.cat([lin.weight for lin in linears]), requires_grad=False)
             if has_bias:
                 self.linear.bias = nn.Parameter(torch.cat([lin.bias for lin in linears]), requires_grad=False)
-        ends = torch.tensor([lin.out_features for lin in linears]).cumsum(0).tolist()
+        ends = list(accumulate(lin.out_features for lin in linears))
         self.bounds = list(zip([0] + ends[:-1], ends))
         self._clear()
 
@@ -77,9 +79,9 @@ class FusedProjection(nn.Module):
 class ProjectionSlice(nn.Module):
     """Stands where one sibling linear stood; reads as a linear of its own shape."""
 
-    def __init__(self, fused: FusedProjection, index: int, register: bool):
+    def __init__(self, fused: FusedProjection, index: int):
         super().__init__()
-        if register:
+        if index == 0:
             self.fused = fused  # registered once (under the first sibling): moved, packed, counted once
         else:
             object.__setattr__(self, "fused", fused)
@@ -130,6 +132,6 @@ def fuse_sibling_projections(model: nn.Module) -> int:
                 continue
             fused = FusedProjection(linears)
             for index, name in enumerate(names):
-                setattr(parent, name, ProjectionSlice(fused, index, register=index == 0))
+                setattr(parent, name, ProjectionSlice(fused, index))
             fused_groups += 1
     return fused_groups
