@@ -33,3 +33,31 @@ def test_worker_level_counts_every_token(tiny_model_dir, concurrency):
     report = asyncio.run(run())
     assert report.requests == 6 and report.concurrency == concurrency
     assert report.output_tok_s * report.wall_s == pytest.approx(6 * 5)
+
+
+def test_offline_engine_schedules_as_the_serve_config_says(tiny_model):
+    """The offline baseline must run the Serve path's step budget, prefill cap, sequence
+    cap and KV pool, or "Serve path / engine offline" compares two schedulers."""
+    config = bench_engine.served_model_config(bench_engine.SERVE_CONFIG)
+    engine = bench_engine.configured_engine(tiny_model, config)
+    assert (engine.limits.max_num_batched_tokens, engine.limits.max_prefill_tokens_while_decoding,
+            engine.limits.max_num_seqs) == (config.engine.max_num_batched_tokens,
+                                            config.engine.max_prefill_tokens_while_decoding,
+                                            config.engine.max_num_seqs)
+    assert engine.limits.max_prefill_tokens_while_decoding is not None  # the default config caps prefill
+    assert engine.limits.kv_cache_bytes == int(config.engine.kv_cache_memory_gib * 1024**3)
+    assert engine.limits.async_scheduling is False  # a CPU config
+
+
+def test_engine_limits_clip_the_window_and_keep_async_scheduling_to_cuda():
+    from workers.config import ModelConfig
+    from workers.engine import engine_limits
+
+    cpu = ModelConfig.model_validate({"id": "m", "engine": {"max_model_len": 8192, "async_scheduling": True}})
+    assert engine_limits(cpu, 2048).max_model_len == 2048
+    assert engine_limits(cpu, 32768).max_model_len == 8192
+    assert engine_limits(cpu, 2048).async_scheduling is False
+    cuda = ModelConfig.model_validate({"id": "m", "device": "cuda", "engine": {"async_scheduling": True},
+                                       "deployment": {"ray_actor_options": {"num_gpus": 1}}})
+    assert engine_limits(cuda, 2048).async_scheduling is True
+    assert engine_limits(cuda, 2048).max_model_len == 2048  # no configured length: the model's window

@@ -16,11 +16,14 @@ the time spent building the grammar mask and applying it to the logits.
 `offline` runs the load `serve_app.bench` puts on the server (same templated prompt,
 temperature 0.8, ignore_eos, closed loop at C requests, max(8, 2C) requests per level),
 straight into `LLMEngine.step()`, and reports the same figures: output tok/s, TTFT and
-TPOT (median, p99). TTFT here is from `add_request` to the first token's step.
+TPOT (median, p99). TTFT here is from `add_request` to the first token's step. Its engine
+takes the limits of the first model in `--config` (default configs/default.yaml: the
+Serve path's own step budget, prefill cap, sequence cap and KV pool), so both sides
+schedule alike.
 
 `worker` runs the same load through the worker's own request path in this process: the
 engine on its thread (`AsyncEngine`), chat messages templated, tokenized and detokenized
-by `RequestProcessor` on an asyncio loop; only Ray and HTTP are missing. Between
+by `RequestProcessor` on an asyncio loop, with `--config`'s limits; only Ray and HTTP are missing. Between
 `offline` and the Serve path it tells the worker's threads apart from Serve's hops.
 """
 
@@ -34,20 +37,25 @@ import json
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+import yaml
 
 from workers import cpu_linear
 from workers.attention import register_paged_attention
-from workers.engine import EngineLimits, LLMEngine
+from workers.config import ModelConfig
+from workers.engine import EngineLimits, LLMEngine, engine_limits, model_window
 from workers.fused_projections import fuse_sibling_projections
 from workers.host_memory import keep_freed_memory
+from workers.kv_sizing import resolve_kv_cache_bytes
 from workers.model_loader import load_model
 from workers.sampling_params import GuidedDecoding, SamplingParams
 
 PROMPT = "Write a long story about a robot who learns to paint."
 BENCH_PROMPT = "Write a long story about a robot who learns to paint. Use vivid detail."  # serve_app.bench's
 KV_BYTES = 1024**3
+SERVE_CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "default.yaml")  # the CPU default
 BENCH_SCHEMA = {
     "type": "array",
     "minItems": 1000,
@@ -71,6 +79,22 @@ def percentile(values: list[float], q: float) -> float:
 def new_engine(model, tokenizer=None, **limits) -> LLMEngine:
     return LLMEngine(model, frozenset(), EngineLimits(kv_cache_bytes=KV_BYTES, **limits), torch.device("cpu"),
                      tokenizer=tokenizer)
+
+
+def served_model_config(path: str) -> ModelConfig:
+    """The first model of a `serve run` config: the engine settings the Serve path runs with."""
+    with open(path) as f:
+        serve_config = yaml.safe_load(f)
+    return ModelConfig.model_validate(serve_config["applications"][0]["args"]["models"][0])
+
+
+def configured_engine(model, config: ModelConfig, tokenizer=None) -> LLMEngine:
+    """An engine with the limits and CPU KV pool `config` gives the worker (no EOS: the loads
+    here ignore it)."""
+    limits = engine_limits(config, model_window(model))
+    limits = dataclasses.replace(limits, kv_cache_bytes=resolve_kv_cache_bytes(config.engine, torch.device("cpu"),
+                                                                              model, limits))
+    return LLMEngine(model, frozenset(), limits, torch.device("cpu"), tokenizer=tokenizer)
 
 
 # --- decode: engine step vs raw HF forward -------------------------------------------------
@@ -241,7 +265,7 @@ def run_offline(args, loaded) -> None:
     messages = [{"role": "user", "content": args.prompt}]
     prompt_ids = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                       return_dict=False)
-    engine = new_engine(loaded.model)
+    engine = configured_engine(loaded.model, served_model_config(args.config))
     offline_level(engine, prompt_ids, 1, 1, 4)  # warm-up
     reports = []
     for concurrency in args.concurrency:
@@ -287,7 +311,7 @@ async def worker_level(processor, prompt: str, concurrency: int, num_requests: i
 
 
 async def start_worker(source: str, threads: int | None = None, dtype: str = "auto", pack: bool = True,
-                       fuse: bool = True):
+                       fuse: bool = True, config: ModelConfig | None = None):
     """(AsyncEngine, RequestProcessor) as the deployment builds them: the model loaded on
     the engine's own thread. The caller stops the engine."""
     from workers.async_engine import AsyncEngine
@@ -301,14 +325,17 @@ async def start_worker(source: str, threads: int | None = None, dtype: str = "au
         loaded = load_model(source, dtype=dtype, attn_implementation=register_paged_attention(),
                             pack_cpu_weights=pack, fuse_projections=fuse)
         tokenizers.append(loaded.tokenizer)
-        return new_engine(loaded.model, loaded.tokenizer)
+        if config is None:
+            return new_engine(loaded.model, loaded.tokenizer)
+        return configured_engine(loaded.model, config, loaded.tokenizer)
 
     engine = AsyncEngine.start_on_own_thread(build, asyncio.get_running_loop())
     return engine, RequestProcessor(engine, tokenizers[0])
 
 
 async def run_worker(args) -> None:
-    engine, processor = await start_worker(args.source, args.threads, args.dtype, not args.no_pack, not args.no_fuse)
+    engine, processor = await start_worker(args.source, args.threads, args.dtype, not args.no_pack, not args.no_fuse,
+                                           served_model_config(args.config))
     try:
         await worker_level(processor, args.prompt, 1, 2, 4)  # warm-up
         for concurrency in args.concurrency:
@@ -427,12 +454,16 @@ def main(argv: list[str] | None = None) -> None:
     offline.add_argument("--num-requests", type=int, default=None, help="per level; default 2 x concurrency, >= 8")
     offline.add_argument("--max-tokens", type=int, default=64)
     offline.add_argument("--prompt", default=BENCH_PROMPT)
+    offline.add_argument("--config", default=SERVE_CONFIG, help="serve config whose first model's engine limits "
+                        "the engine takes (default: configs/default.yaml)")
     offline.add_argument("--json", default=None)
     worker = sub.add_parser("worker", help="the same load through the worker's request path (no Ray)")
     worker.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 32, 64])
     worker.add_argument("--num-requests", type=int, default=None, help="per level; default 2 x concurrency, >= 8")
     worker.add_argument("--max-tokens", type=int, default=64)
     worker.add_argument("--prompt", default=BENCH_PROMPT)
+    worker.add_argument("--config", default=SERVE_CONFIG, help="serve config whose first model's engine limits "
+                        "the engine takes (default: configs/default.yaml)")
     prefix = sub.add_parser("prefix", help="TTFT of a request sharing a long prefix with an earlier one")
     prefix.add_argument("--prefix-tokens", type=int, default=1000)
     prefix.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")

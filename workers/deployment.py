@@ -16,7 +16,7 @@ from workers.async_engine import AsyncEngine
 from workers.attention import register_paged_attention
 from workers.config import ModelConfig
 from workers.cpu_linear import PackedLinear
-from workers.engine import EngineLimits, LLMEngine
+from workers.engine import LLMEngine, engine_limits, model_window
 from workers.fused_projections import FusedProjection
 from workers.host_memory import keep_freed_memory
 from workers.kv_sizing import resolve_kv_cache_bytes
@@ -54,20 +54,9 @@ def build_engine(config: ModelConfig) -> tuple[LLMEngine, LoadedModel]:
     cache_dir = Path(config.cache_dir) if config.cache_dir else None
     loaded = load_model(config.source, config.device, config.dtype, cache_dir, attn_implementation=attn,
                         pack_cpu_weights=config.pack_cpu_weights, fuse_projections=config.fuse_projections)
-    model_window = getattr(loaded.model.config.get_text_config(), "max_position_embeddings", None) or 2048
-    eng = config.engine
     device = torch.device(config.device)
-    limits = EngineLimits(
-        block_size=eng.block_size,
-        max_num_seqs=eng.max_num_seqs,
-        max_num_batched_tokens=eng.max_num_batched_tokens,
-        max_model_len=min(eng.max_model_len or model_window, model_window),
-        enable_prefix_caching=eng.enable_prefix_caching,
-        max_prefill_tokens_while_decoding=eng.max_prefill_tokens_while_decoding,
-        cuda_graph_max_batch=eng.cuda_graph_max_batch_size,
-        async_scheduling=eng.async_scheduling and config.device == "cuda",  # no overlap to win on a CPU
-    )
-    kv_bytes = resolve_kv_cache_bytes(eng, device, loaded.model, limits)
+    limits = engine_limits(config, model_window(loaded.model))
+    kv_bytes = resolve_kv_cache_bytes(config.engine, device, loaded.model, limits)
     limits = dataclasses.replace(limits, kv_cache_bytes=kv_bytes)
     eos = _eos_token_ids(loaded)
     return LLMEngine(loaded.model, eos, limits, device, tokenizer=loaded.tokenizer), loaded

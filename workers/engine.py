@@ -15,6 +15,7 @@ import torch
 
 from workers.beam_search import BeamGroup
 from workers.block_manager import BlockManager
+from workers.config import ModelConfig
 from workers.cuda_graphs import DecodeGraphs
 from workers.guided import GuidedDecoder, GuidedDecodingError, GuideState
 from workers.kv_cache import KVCacheShape, PagedKVCache
@@ -42,6 +43,27 @@ class EngineLimits:
     max_prefill_tokens_while_decoding: int | None = None  # see SchedulerConfig
     cuda_graph_max_batch: int = 0  # CUDA: decode steps up to this batch replay graphs (0: off)
     async_scheduling: bool = False  # launch the next decode step before reading this one's tokens
+
+
+def model_window(model: torch.nn.Module) -> int:
+    """The longest context the model's positions allow (2048 when its config names none)."""
+    return getattr(model.config.get_text_config(), "max_position_embeddings", None) or 2048
+
+
+def engine_limits(config: ModelConfig, model_window: int) -> EngineLimits:
+    """The limits a model's config asks for; `kv_cache_bytes` is left at its default, for
+    kv_sizing to size. The worker and the offline benchmarks build engines alike."""
+    eng = config.engine
+    return EngineLimits(
+        block_size=eng.block_size,
+        max_num_seqs=eng.max_num_seqs,
+        max_num_batched_tokens=eng.max_num_batched_tokens,
+        max_model_len=min(eng.max_model_len or model_window, model_window),
+        enable_prefix_caching=eng.enable_prefix_caching,
+        max_prefill_tokens_while_decoding=eng.max_prefill_tokens_while_decoding,
+        cuda_graph_max_batch=eng.cuda_graph_max_batch_size,
+        async_scheduling=eng.async_scheduling and config.device == "cuda",  # no overlap to win on a CPU
+    )
 
 
 @dataclass(frozen=True)
