@@ -45,10 +45,10 @@ import yaml
 from workers import cpu_linear
 from workers.attention import register_paged_attention
 from workers.config import ModelConfig
-from workers.engine import EngineLimits, LLMEngine, engine_limits, model_window
+from workers.engine import EngineLimits, LLMEngine
 from workers.fused_projections import fuse_sibling_projections
 from workers.host_memory import keep_freed_memory
-from workers.kv_sizing import resolve_kv_cache_bytes
+from workers.kv_sizing import sized_engine_limits
 from workers.model_loader import load_model
 from workers.sampling_params import GuidedDecoding, SamplingParams
 
@@ -91,10 +91,8 @@ def served_model_config(path: str) -> ModelConfig:
 def configured_engine(model, config: ModelConfig, tokenizer=None) -> LLMEngine:
     """An engine with the limits and CPU KV pool `config` gives the worker (no EOS: the loads
     here ignore it)."""
-    limits = engine_limits(config, model_window(model))
-    limits = dataclasses.replace(limits, kv_cache_bytes=resolve_kv_cache_bytes(config.engine, torch.device("cpu"),
-                                                                              model, limits))
-    return LLMEngine(model, frozenset(), limits, torch.device("cpu"), tokenizer=tokenizer)
+    cpu = torch.device("cpu")
+    return LLMEngine(model, frozenset(), sized_engine_limits(config, model, cpu), cpu, tokenizer=tokenizer)
 
 
 # --- decode: engine step vs raw HF forward -------------------------------------------------
@@ -311,9 +309,10 @@ async def worker_level(processor, prompt: str, concurrency: int, num_requests: i
 
 
 async def start_worker(source: str, threads: int | None = None, dtype: str = "auto", pack: bool = True,
-                       fuse: bool = True, config: ModelConfig | None = None):
+                       fuse: bool = True, config_path: str = SERVE_CONFIG):
     """(AsyncEngine, RequestProcessor) as the deployment builds them: the model loaded on
-    the engine's own thread. The caller stops the engine."""
+    the engine's own thread, the engine limited as `config_path`'s first model. The caller
+    stops the engine."""
     from workers.async_engine import AsyncEngine
     from workers.request_processor import RequestProcessor
 
@@ -325,9 +324,7 @@ async def start_worker(source: str, threads: int | None = None, dtype: str = "au
         loaded = load_model(source, dtype=dtype, attn_implementation=register_paged_attention(),
                             pack_cpu_weights=pack, fuse_projections=fuse)
         tokenizers.append(loaded.tokenizer)
-        if config is None:
-            return new_engine(loaded.model, loaded.tokenizer)
-        return configured_engine(loaded.model, config, loaded.tokenizer)
+        return configured_engine(loaded.model, served_model_config(config_path), loaded.tokenizer)
 
     engine = AsyncEngine.start_on_own_thread(build, asyncio.get_running_loop())
     return engine, RequestProcessor(engine, tokenizers[0])
@@ -335,7 +332,7 @@ async def start_worker(source: str, threads: int | None = None, dtype: str = "au
 
 async def run_worker(args) -> None:
     engine, processor = await start_worker(args.source, args.threads, args.dtype, not args.no_pack, not args.no_fuse,
-                                           served_model_config(args.config))
+                                           args.config)
     try:
         await worker_level(processor, args.prompt, 1, 2, 4)  # warm-up
         for concurrency in args.concurrency:
@@ -449,21 +446,16 @@ def main(argv: list[str] | None = None) -> None:
     fusion.add_argument("--batch", type=int, nargs="+", default=[1, 16, 32, 64])
     fusion.add_argument("--steps", type=int, default=10)
     fusion.add_argument("--repeat", type=int, default=5)
-    offline = sub.add_parser("offline", help="the HTTP bench's load straight into the engine")
-    offline.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 32, 64])
-    offline.add_argument("--num-requests", type=int, default=None, help="per level; default 2 x concurrency, >= 8")
-    offline.add_argument("--max-tokens", type=int, default=64)
-    offline.add_argument("--prompt", default=BENCH_PROMPT)
-    offline.add_argument("--config", default=SERVE_CONFIG, help="serve config whose first model's engine limits "
-                        "the engine takes (default: configs/default.yaml)")
+    serving_load = argparse.ArgumentParser(add_help=False)  # serve_app.bench's load, for offline and worker
+    serving_load.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 32, 64])
+    serving_load.add_argument("--num-requests", type=int, default=None, help="per level; default 2 x concurrency, >= 8")
+    serving_load.add_argument("--max-tokens", type=int, default=64)
+    serving_load.add_argument("--prompt", default=BENCH_PROMPT)
+    serving_load.add_argument("--config", default=SERVE_CONFIG, help="serve config whose first model's engine "
+                              "limits the engine takes (default: configs/default.yaml)")
+    offline = sub.add_parser("offline", parents=[serving_load], help="the HTTP bench's load straight into the engine")
     offline.add_argument("--json", default=None)
-    worker = sub.add_parser("worker", help="the same load through the worker's request path (no Ray)")
-    worker.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 32, 64])
-    worker.add_argument("--num-requests", type=int, default=None, help="per level; default 2 x concurrency, >= 8")
-    worker.add_argument("--max-tokens", type=int, default=64)
-    worker.add_argument("--prompt", default=BENCH_PROMPT)
-    worker.add_argument("--config", default=SERVE_CONFIG, help="serve config whose first model's engine limits "
-                        "the engine takes (default: configs/default.yaml)")
+    sub.add_parser("worker", parents=[serving_load], help="the same load through the worker's request path (no Ray)")
     prefix = sub.add_parser("prefix", help="TTFT of a request sharing a long prefix with an earlier one")
     prefix.add_argument("--prefix-tokens", type=int, default=1000)
     prefix.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -16,10 +15,10 @@ from workers.async_engine import AsyncEngine
 from workers.attention import register_paged_attention
 from workers.config import ModelConfig
 from workers.cpu_linear import PackedLinear
-from workers.engine import LLMEngine, engine_limits, model_window
+from workers.engine import LLMEngine
 from workers.fused_projections import FusedProjection
 from workers.host_memory import keep_freed_memory
-from workers.kv_sizing import resolve_kv_cache_bytes
+from workers.kv_sizing import sized_engine_limits
 from workers.model_loader import LoadedModel, load_model
 from workers.protocol import GenerateRequest, GenerationChunk, ModelInfo, WorkerStats
 from workers.request_processor import RequestProcessor, Timeouts
@@ -55,9 +54,7 @@ def build_engine(config: ModelConfig) -> tuple[LLMEngine, LoadedModel]:
     loaded = load_model(config.source, config.device, config.dtype, cache_dir, attn_implementation=attn,
                         pack_cpu_weights=config.pack_cpu_weights, fuse_projections=config.fuse_projections)
     device = torch.device(config.device)
-    limits = engine_limits(config, model_window(loaded.model))
-    kv_bytes = resolve_kv_cache_bytes(config.engine, device, loaded.model, limits)
-    limits = dataclasses.replace(limits, kv_cache_bytes=kv_bytes)
+    limits = sized_engine_limits(config, loaded.model, device)
     eos = _eos_token_ids(loaded)
     return LLMEngine(loaded.model, eos, limits, device, tokenizer=loaded.tokenizer), loaded
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.config import CPU_DEFAULT_KV_CACHE_GIB, EngineConfig
-from workers.engine import EngineLimits, LLMEngine
+from workers.config import CPU_DEFAULT_KV_CACHE_GIB, EngineConfig, ModelConfig
+from workers.engine import EngineLimits, LLMEngine, engine_limits, model_window
 from workers.kv_cache import KVCacheShape
 from workers.sampling_params import SamplingParams
 
@@ -56,6 +56,13 @@ def cuda_graph_reserve(limits: EngineLimits, vocab_size: int) -> int:
     if batch <= 0:
         return 0
     return batch * vocab_size * (4 + 2 + 4) + 256 * 1024**2
+
+
+def sized_engine_limits(config: ModelConfig, model, device: torch.device) -> EngineLimits:
+    """The engine limits `config` asks for, with the KV pool sized for `model` on `device`:
+    what the worker builds its engine with (and the offline benchmarks, to match it)."""
+    limits = engine_limits(config, model_window(model))
+    return dataclasses.replace(limits, kv_cache_bytes=resolve_kv_cache_bytes(config.engine, device, model, limits))
 
 
 def resolve_kv_cache_bytes(config: EngineConfig, device: torch.device, model, limits: EngineLimits) -> int:
