@@ -31,44 +31,44 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 # On a CUDA machine: the Triton decode kernel on the device, decode CUDA graphs == eager ==
-# transformers, graphs under preemption (tests/test_gpu.py; `make test` skips them without a GPU).
+# transformers, graphs under preemption: the tests marked `gpu` (`make test` skips those needing CUDA).
 test-gpu: $(STAMP)
-	$(BIN)/python -m pytest -q tests/test_gpu.py tests/test_triton_attention.py tests/test_model_families.py
+	$(BIN)/python -m pytest -q -m gpu
 
 bench: $(STAMP)
-	$(BIN)/python -m serve_app.bench --url http://127.0.0.1:8000 --concurrency 1 16 32 --num-requests 64 --max-tokens 64
+	$(BIN)/python -m tools.bench.load --url http://127.0.0.1:8000 --concurrency 1 16 32 --num-requests 64 --max-tokens 64
 
 # The long fuzz run of docs/RELIABILITY.md: 3000 generated bodies against its own app on
 # the tiny test model (tests/test_fuzz.py runs 400 in CI). FUZZ_ARGS="--config configs/default.yaml"
 # fuzzes the real default model instead.
 fuzz: $(STAMP)
-	PYTHONPATH=. $(BIN)/python scripts/fuzz.py --requests 3000 --json fuzz-results/fuzz.json $(FUZZ_ARGS)
+	$(BIN)/python -m tools.reliability.fuzz --requests 3000 --json fuzz-results/fuzz.json $(FUZZ_ARGS)
 
 # The benchmarks of docs/BENCHMARKS.md, one command each (they start their own servers).
 bench-cpu: $(STAMP)
-	scripts/bench_cpu_compare.sh 1 16 32 64
+	tools/bench/cpu_compare.sh 1 16 32 64
 
 bench-prefix: $(STAMP)
-	$(BIN)/python -m workers.bench_engine prefix --prefix-tokens 1000
+	$(BIN)/python -m tools.bench.engine prefix --prefix-tokens 1000
 
 bench-fairness: $(STAMP)
-	$(BIN)/python -m workers.bench_engine fairness --streams 16 --long-prompt 2000 --budget 256 2048
-	$(BIN)/python -m workers.bench_engine fairness --streams 16 --long-prompt 2000 --budget 1024 --prefill-cap 64
+	$(BIN)/python -m tools.bench.engine fairness --streams 16 --long-prompt 2000 --budget 256 2048
+	$(BIN)/python -m tools.bench.engine fairness --streams 16 --long-prompt 2000 --budget 1024 --prefill-cap 64
 
 bench-ttft-overhead: $(STAMP)
-	scripts/bench_ttft_overhead.sh 40
+	tools/bench/ttft_overhead.sh 40
 
 bench-gpu: $(STAMP)
-	mkdir -p bench-results && $(BIN)/python -m workers.bench_gpu --shape 1b 8b --json bench-results/gpu.json
+	mkdir -p bench-results && $(BIN)/python -m tools.bench.gpu --shape 1b 8b --json bench-results/gpu.json
 
 # Reliability (docs/RELIABILITY.md): a 10-minute soak at concurrency 32 on the default model,
 # and the fault runs (kill a worker replica, kill the ingress replica, under load). Each starts
 # its own Ray + Serve on loopback and writes JSON under bench-results/.
 soak: $(STAMP)
-	mkdir -p bench-results && $(BIN)/python -m serve_app.soak --config configs/default.yaml --duration 600 --concurrency 32 --max-tokens 32 --json bench-results/soak.json
+	mkdir -p bench-results && $(BIN)/python -m tools.reliability.soak --config configs/default.yaml --duration 600 --concurrency 32 --max-tokens 32 --json bench-results/soak.json
 
 faults: $(STAMP)
-	mkdir -p bench-results && $(BIN)/python -m serve_app.faults --config configs/default.yaml --json bench-results/faults.json
+	mkdir -p bench-results && $(BIN)/python -m tools.reliability.faults --config configs/default.yaml --json bench-results/faults.json
 
 clean:
 	rm -rf $(VENV)

@@ -7,9 +7,9 @@ from typing import Any
 
 from ray.serve import Application
 
-from serve_app.config import parse_app_config
+from serve_app.app_config import parse_app_config
 from serve_app.ingress import ChatIngress
-from workers.deployment import ModelWorker
+from workers.serving.deployment import ModelWorker
 
 
 def worker_deployment_name(model_id: str) -> str:

@@ -4,9 +4,9 @@
     chat = serve.get_app_handle("chatserve")             # the app name in the Serve config
     reply = await chat.chat.remote({"model": "SmolLM2-135M-Instruct",
                                     "messages": [{"role": "user", "content": "Hi"}]})
-    print(reply.choices[0].message.content)               # a serve_app.protocol.ChatCompletion
+    print(reply.choices[0].message.content)               # a serve_app.dialects.chat.request.ChatCompletion
     async for chunk in chat.options(stream=True).chat_stream.remote(request):
-        ...                                               # serve_app.protocol.ChatCompletionChunk
+        ...                                               # serve_app.dialects.chat.request.ChatCompletionChunk
 
 The request is a `ChatCompletionRequest` or a dict of the same fields, validated as
 the HTTP route validates it; a bad request or a worker error raises `APIError` (with
@@ -20,10 +20,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from serve_app.chat_completions import ChunkStreamer, CompletionAccumulator, new_request_id, to_generate_request
-from serve_app.chat_output import OutputParsing
-from serve_app.errors import invalid_unicode, validation_error
-from serve_app.protocol import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
+from serve_app.dialects.chat.output import ChunkStreamer, CompletionAccumulator
+from serve_app.dialects.chat.request import ChatCompletionRequest
+from serve_app.dialects.chat.response import ChatCompletion, ChatCompletionChunk
+from serve_app.dialects.chat.translate import new_request_id, to_generate_request
+from serve_app.http.errors import invalid_unicode, validation_error
+from serve_app.output.choice_parser import OutputParsing
 
 
 class HandleAPI:

@@ -28,18 +28,21 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from serve_app import completions, lm_v2
-from serve_app.auth import APIKeyAuth
-from serve_app.chat_completions import (
-    ChunkStreamer,
-    CompletionAccumulator,
-    new_request_id,
-    to_generate_request,
+from serve_app.app_config import AppConfig
+from serve_app.dialects import completions, lm_v2
+from serve_app.dialects.chat.output import ChunkStreamer, CompletionAccumulator
+from serve_app.dialects.chat.request import ChatCompletionRequest
+from serve_app.dialects.chat.translate import new_request_id, to_generate_request
+from serve_app.dialects.common import ModelCard, ModelList
+from serve_app.handle_api import HandleAPI
+from serve_app.http.auth import APIKeyAuth
+from serve_app.http.errors import (
+    APIError,
+    invalid_unicode,
+    not_found_model,
+    validation_error,
 )
-from serve_app.chat_output import OutputParsing
-from serve_app.config import AppConfig
-from serve_app.errors import APIError, invalid_unicode, not_found_model, validation_error
-from serve_app.metrics import (
+from serve_app.http.metrics import (
     CONTENT_TYPE,
     STATUS_CLIENT_GONE,
     IngressMetrics,
@@ -48,12 +51,13 @@ from serve_app.metrics import (
     current_record,
     route_request_log_to_serve,
 )
-from serve_app.handle_api import HandleAPI
+from serve_app.http.request_body import read_json_body
 from serve_app.media import MediaResolver, first_image_param, image_error
-from serve_app.protocol import ChatCompletionRequest, ModelCard, ModelList
-from serve_app.request_body import read_json_body
-from workers.protocol import ErrorInfo, GenerateRequest, GenerationChunk, ModelInfo
-from workers.sampling_params import SamplingParams
+from serve_app.output.choice_parser import OutputParsing
+from workers.contract.chunks import ErrorInfo, GenerationChunk
+from workers.contract.requests import GenerateRequest
+from workers.contract.sampling_params import SamplingParams
+from workers.contract.worker_info import ModelInfo
 
 logger = logging.getLogger("chatserve.ingress")
 

@@ -29,9 +29,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from serve_app.config import MediaOptions
-from serve_app.errors import APIError
-from workers.protocol import ImageData
+from serve_app.app_config import MediaOptions
+from serve_app.http.errors import APIError
+from workers.contract.requests import ImageData
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 # host, port -> the addresses it resolves to; injectable so tests need no DNS.

@@ -10,11 +10,15 @@ import copy
 import pytest
 import torch
 
-from tests.tiny_models import build_tiny_llama, build_tokenizer, write_tiny_model_dir
+from tests.support.tiny_models import (
+    build_tiny_llama,
+    build_tokenizer,
+    write_tiny_model_dir,
+)
 
 # Registering serve_fixtures here makes each session fixture exist once (importing them
 # into two test modules would create two session fixtures and start Serve twice).
-pytest_plugins = ["tests.serve_fixtures"]
+pytest_plugins = ["tests.support.serve_fixtures"]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -45,7 +49,7 @@ def tiny_model(tiny_tokenizer):
 
 @pytest.fixture(scope="session")
 def paged_attn_name() -> str:
-    from workers.attention import register_paged_attention
+    from workers.model.attention import register_paged_attention
 
     return register_paged_attention()
 

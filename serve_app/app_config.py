@@ -1,0 +1,96 @@
+"""The application config: the `args` of the Serve YAML, typed and validated at start."""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from workers.contract.model_config import DeploymentConfig, ModelConfig
+
+
+class ConfigError(ValueError):
+    """A bad config; the message names every bad key."""
+
+
+class MediaOptions(BaseModel):
+    """Where images in chat messages may come from (applied by the ingress, serve_app/media.py).
+
+    Local paths are read only under `directory`; remote http(s) URLs are fetched only when
+    `allow_remote` is on, and never from an address that is not globally routable
+    (loopback, private, link-local, ...) or is multicast, unless `allowed_hosts` names it
+    (for tests or a private image registry). `data:` URIs are always accepted. Every source is capped at `max_image_bytes`.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    directory: str | None = Field(None, min_length=1, description="local image paths must resolve inside it; unset: no paths")
+    allow_remote: bool = Field(False, description="fetch http(s) image URLs")
+    allowed_hosts: tuple[str, ...] = Field(
+        (), description="hostnames or CIDRs exempt from the private-address refusal (tests, private registries)"
+    )
+    max_image_bytes: int = Field(10 * 1024 * 1024, ge=1, description="cap on one image's encoded bytes")
+    fetch_timeout_s: float = Field(10.0, gt=0, description="cap on one remote fetch, connect to last byte")
+    max_images_per_request: int = Field(8, ge=1)
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _valid_hosts(cls, hosts: tuple[str, ...]) -> tuple[str, ...]:
+        for host in hosts:
+            if not host or "/" in host and not _is_network(host):
+                raise ValueError(f"allowed_hosts entry {host!r} is neither a hostname nor a CIDR")
+        return hosts
+
+
+def _is_network(text: str) -> bool:
+    try:
+        ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        return False
+    return True
+
+
+class ServerOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    full_text_enabled: bool = Field(False, description="MindIE fullTextEnabled: deltas carry the whole text")
+    max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    # API keys (serve_app/auth.py). Neither set: no auth. Either set: every route but
+    # GET /health needs `Authorization: Bearer <key>`, and the ingress refuses to start
+    # if they yield no key. Both are read in the ingress replica, not where `serve run` runs.
+    api_keys_env: str | None = Field(
+        None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="name of an environment variable holding comma-separated API keys, e.g. CHATSERVE_API_KEYS",
+    )
+    api_keys_file: str | None = Field(
+        None, min_length=1, description="path of a file with one API key per line; lines starting with '#' are comments"
+    )
+    media: MediaOptions = MediaOptions()
+
+
+class AppConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    models: list[ModelConfig] = Field(min_length=1)
+    ingress: DeploymentConfig = DeploymentConfig(max_ongoing_requests=1024)
+    server: ServerOptions = ServerOptions()
+
+    @field_validator("models")
+    @classmethod
+    def _unique_ids(cls, models: list[ModelConfig]) -> list[ModelConfig]:
+        ids = [m.id for m in models]
+        dupes = sorted({i for i in ids if ids.count(i) > 1})
+        if dupes:
+            raise ValueError(f"model ids must be unique; repeated: {dupes}")
+        return models
+
+    def model(self, model_id: str) -> ModelConfig | None:
+        return next((m for m in self.models if m.id == model_id), None)
+
+
+def parse_app_config(args: dict[str, Any]) -> AppConfig:
+    try:
+        return AppConfig.model_validate(args)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}" for err in exc.errors()
+        )
+        raise ConfigError(f"invalid chatserve config: {problems}") from None

@@ -1,0 +1,1 @@
+"""`/v1/chat/completions`: request models, translation to the worker, response models and output."""

@@ -1,0 +1,226 @@
+"""`/v1/chat/completions` request models: messages, tools, and the rules between fields."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import jsonschema
+from pydantic import ConfigDict, Field, field_validator, model_validator
+
+from serve_app.dialects.common import (
+    MAX_LOGPROBS,
+    RequestModel,
+    StopStrings,
+    StreamOptions,
+    beam_search_error,
+    stop_tuple,
+)
+from serve_app.dialects.response_format import ResponseFormat
+
+
+class TextPart(RequestModel):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(RequestModel):
+    url: str
+    detail: str | None = None
+
+
+class ImagePart(RequestModel):
+    type: Literal["image_url"]
+    image_url: str | ImageURL  # seed 001 passes a bare string (a local path)
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class FunctionCallIn(RequestModel):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCallIn(RequestModel):
+    """A call the assistant made earlier in the conversation (seed 001, request sample 2)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class ChatMessage(RequestModel):
+    model_config = ConfigDict(extra="allow")  # name, ... reach the chat template
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields_match_role(self) -> "ChatMessage":
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
+
+
+# ------------------------------------------------------------------------------- tools
+
+_FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
+
+
+class FunctionDefinition(RequestModel):
+    name: str = Field(pattern=_FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _valid_json_schema(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
+        if schema is not None:
+            try:
+                jsonschema.Draft202012Validator.check_schema(schema)
+            except jsonschema.SchemaError as exc:
+                raise ValueError(f"not a valid JSON schema: {exc.message}") from None
+        return schema
+
+    @property
+    def arguments_schema(self) -> dict[str, Any]:
+        return self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
+
+
+class Tool(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class ChatCompletionRequest(RequestModel):
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)  # None: 1.0
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)  # None: 1.0
+    top_k: int | None = Field(None, ge=-1)  # None, 0 and -1: off
+    min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: StopStrings = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    ignore_eos: bool = False
+    min_tokens: int | None = Field(None, ge=0)
+    n: int = Field(1, ge=1, le=64)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    chat_template_kwargs: dict[str, Any] | None = None
+    user: str | None = None
+
+    use_beam_search: bool | None = False
+    best_of: int | None = Field(None, ge=1, le=64)  # beam width
+    length_penalty: float | None = Field(None, ge=-10.0, le=10.0, allow_inf_nan=False)
+
+    response_format: ResponseFormat = None
+
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without
+    parallel_tool_calls: bool | None = None  # None: true
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> "ChatCompletionRequest":
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    def cross_field_error(self) -> tuple[str, str] | None:
+        """(param, message) for rules between fields that name one field, else None."""
+        if (tool_rule := self._tool_error()) is not None:
+            return tool_rule
+        if self.use_beam_search:
+            return beam_search_error(self)
+        if self.best_of is not None:
+            return "best_of", "best_of is only supported with use_beam_search"
+        if self.length_penalty is not None and self.length_penalty != 1.0:
+            return "length_penalty", "length_penalty needs use_beam_search: true"
+        if self.n > 1 and (self.temperature == 0 or self.top_k == 1):
+            return "n", "n > 1 needs sampling: greedy decoding (temperature 0 or top_k 1) would give n identical choices"
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs to be true"
+        cap = self.output_cap
+        if self.min_tokens and cap is not None and self.min_tokens > cap:
+            return "min_tokens", f"min_tokens ({self.min_tokens}) is larger than max_tokens ({cap})"
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.lstrip("-").isdigit() or int(key) < 0:
+                return "logit_bias", f"logit_bias keys must be token ids, got {key!r}"
+            if not -100.0 <= bias <= 100.0:
+                return "logit_bias", f"logit_bias values must be in [-100, 100], got {bias} for token {key}"
+        return None
+
+    def _tool_error(self) -> tuple[str, str] | None:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) < len(names):
+            return "tools", "function names in tools must be unique"
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not names:
+            return "tool_choice", "tool_choice needs tools"
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            return "tool_choice", f"tool_choice names {choice.function.name!r}, which is not among the tools {names}"
+        if self.guided_tools and self.use_beam_search:
+            return "tool_choice", "forced or strict tool calls are not available with beam search"
+        if self.guided_tools and self.response_format is not None and self.response_format.type != "text":
+            # One grammar a request: the calls' format or the answer's, not both.
+            return "response_format", "response_format cannot be combined with forced or strict tool calls"
+        return None
+
+    @property
+    def effective_tool_choice(self) -> Literal["none", "auto", "required"] | NamedToolChoice:
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    @property
+    def tools_in_play(self) -> list[Tool]:
+        """The tools the model is shown and may call (none with tool_choice "none")."""
+        return [] if self.effective_tool_choice == "none" else list(self.tools or [])
+
+    @property
+    def guided_tools(self) -> bool:
+        """Whether the tool calls must be constrained by a grammar."""
+        choice = self.effective_tool_choice
+        return bool(self.tools_in_play) and (
+            choice == "required" or isinstance(choice, NamedToolChoice)
+            or any(t.function.strict for t in self.tools_in_play))
+
+    @property
+    def output_cap(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def stop_list(self) -> tuple[str, ...]:
+        return stop_tuple(self.stop)
+
+
+# ---------------------------------------------------------------------------- responses
+
+

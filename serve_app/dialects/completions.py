@@ -1,0 +1,331 @@
+"""`POST /v1/completions`: OpenAI's legacy text completion, one prompt a request.
+
+The prompt is sent to the worker as text (`GenerateRequest.prompt`), which tokenizes
+it with the tokenizer's special tokens (BOS where the model has one) and no chat
+template. Sampling fields mean what they mean on /v1/chat/completions.
+
+- `prompt`: a string, or a list holding one string. Token-id prompts and lists of
+  several prompts get a 400 naming `prompt` (send one request per prompt).
+- `max_tokens`: default 16, as OpenAI; `null` means the rest of the context window.
+- `echo: true` puts the prompt in front of the text (in a stream: in front of the first
+  text event).
+- `n`: that many choices, sharing one prefill (greedy with n > 1 is a 400, as on chat).
+- `best_of` (> n, sampling): best_of samples are drawn and the n with the highest
+  cumulative log-probability are returned (vLLM's rule; OpenAI ranks per token); it
+  cannot stream (400, as OpenAI). With `use_beam_search`, `best_of` is the beam width
+  and the chat route's beam rules apply (n > 1, temperature 0, top_p 1, top_k -1).
+- `logprobs: k` (0..20): OpenAI's legacy shape per choice: `tokens`, `token_logprobs`,
+  `top_logprobs` (the k most likely, token -> logprob), `text_offset`. With `echo`
+  (prompt logprobs in this shape) it is a 400 naming `logprobs`.
+- `response_format` constrains the text as on /v1/chat/completions (json_object,
+  json_schema; serve_app/dialects/response_format.py).
+- `suffix` (insertion) gets a 400 naming the field: not supported.
+- Penalties (`presence_penalty`, `frequency_penalty`, `repetition_penalty`), `min_p`,
+  `min_tokens` and `logit_bias` are passed to the worker's SamplingParams.
+- Response: `{id, object: "text_completion", created, model, choices: [{index, text,
+  logprobs, finish_reason, stop_reason?}], usage}`; `finish_reason` is `stop` (EOS,
+  stop token or stop string) or `length`.
+- Stream: `text_completion` chunks with `choices: [{index, text, logprobs,
+  finish_reason}]` (the choices of n > 1 interleave), then `data: [DONE]`. With `stream_options.include_usage` every
+  chunk has `usage: null` and one more chunk with `choices: []` carries the usage, as
+  OpenAI does; `continuous_usage_stats` puts the running usage on every chunk, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from serve_app.dialects.common import (
+    MAX_LOGPROBS,
+    RequestModel,
+    ResponseModel,
+    StopStrings,
+    StreamOptions,
+    Usage,
+    beam_search_error,
+    openai_sampling_kwargs,
+    or_default,
+    stop_tuple,
+    usage_of,
+)
+from serve_app.dialects.response_format import ResponseFormat
+from serve_app.http.errors import APIError, unsupported
+from serve_app.http.sse import sse, sse_json
+from workers.contract.chunks import GenerationChunk, TokenLogprob
+from workers.contract.requests import GenerateRequest
+from workers.contract.sampling_params import SamplingParams
+
+DEFAULT_MAX_TOKENS = 16
+
+# The worker names request fields as /v1/chat/completions does.
+WORKER_PARAM_NAMES = {"messages": "prompt"}
+
+
+def new_request_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+class CompletionRequest(RequestModel):
+    model: str
+    prompt: str
+    suffix: str | None = None
+    max_tokens: int | None = Field(DEFAULT_MAX_TOKENS, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)  # None: 1.0
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)  # None: 1.0
+    top_k: int | None = Field(None, ge=-1)  # None, 0 and -1: off
+    min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: StopStrings = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0, allow_inf_nan=False)
+    min_tokens: int | None = Field(None, ge=0)
+    logit_bias: dict[int, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    echo: bool = False
+    user: str | None = None
+    response_format: ResponseFormat = None  # as on /v1/chat/completions (vLLM takes it here too)
+
+    n: int = Field(1, ge=1, le=64)
+    best_of: int | None = Field(None, ge=1, le=64)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    use_beam_search: bool | None = False
+    length_penalty: float | None = Field(None, ge=-10.0, le=10.0, allow_inf_nan=False)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_text_prompt(cls, prompt: Any) -> Any:
+        if isinstance(prompt, list):
+            if any(isinstance(p, (int, list)) for p in prompt):
+                raise ValueError("token-id prompts are not supported; send the prompt as a string")
+            if len(prompt) != 1:
+                raise ValueError(f"one prompt per request: got a list of {len(prompt)}; send a string")
+            prompt = prompt[0]
+        if isinstance(prompt, str) and not prompt:
+            raise ValueError("prompt must not be empty")
+        return prompt
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, bias: dict[int, float] | None) -> dict[int, float] | None:
+        for token_id, value in (bias or {}).items():
+            if token_id < 0:
+                raise ValueError(f"token id {token_id} is negative")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"bias {value} for token {token_id} is outside [-100, 100]")
+        return bias
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> "CompletionRequest":
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        if self.min_tokens and self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        return self
+
+    def cross_field_error(self) -> tuple[str, str] | None:
+        """(param, message) for rules between fields, else None."""
+        if self.suffix:
+            return "suffix", "`suffix` is not supported on /v1/completions"
+        if self.use_beam_search:
+            return beam_search_error(self)
+        if self.length_penalty not in (None, 1.0):
+            return "length_penalty", "length_penalty needs use_beam_search: true"
+        if self.best_of is not None and self.best_of < self.n:
+            return "best_of", f"best_of ({self.best_of}) must be at least n ({self.n})"
+        if self.num_samples > self.n and self.stream:
+            return "best_of", "best_of > n cannot stream: the best choices are known only at the end"
+        greedy = self.temperature == 0 or self.top_k == 1
+        if self.num_samples > 1 and greedy:
+            param = "n" if self.n > 1 else "best_of"
+            return param, f"{param} > 1 needs sampling: greedy decoding (temperature 0 or top_k 1) gives identical choices"
+        if self.logprobs is not None and self.echo:
+            return "logprobs", "logprobs with echo (prompt logprobs) are not supported; drop one of them"
+        return None
+
+    @property
+    def num_samples(self) -> int:
+        """Choices the engine draws: best_of when it ranks them (sampling), else n."""
+        return self.n if self.use_beam_search else max(self.n, self.best_of or self.n)
+
+    @property
+    def stop_list(self) -> tuple[str, ...]:
+        return stop_tuple(self.stop)
+
+
+
+def to_generate_request(req: CompletionRequest, request_id: str) -> GenerateRequest:
+    rule = req.cross_field_error()
+    if rule is not None:
+        if rule[0] == "suffix":
+            raise unsupported("suffix", "is not supported on /v1/completions")
+        raise APIError(400, rule[1], param=rule[0])
+    ranked = req.num_samples > req.n  # best_of ranks by cumulative logprob: the worker must report them
+    params = SamplingParams(
+        **openai_sampling_kwargs(req),
+        temperature=0.0 if req.use_beam_search else or_default(req.temperature, 1.0),
+        logprobs=req.logprobs if req.logprobs is not None else (0 if ranked else None),
+        n=req.num_samples,
+        use_beam_search=bool(req.use_beam_search),
+        best_of=req.best_of if req.use_beam_search else None,
+        length_penalty=or_default(req.length_penalty, 1.0),
+    )
+    return GenerateRequest(request_id=request_id, params=params, prompt=req.prompt, max_tokens=req.max_tokens)
+
+
+# ---------------------------------------------------------------------------- response
+
+
+class CompletionLogprobs(ResponseModel):
+    """OpenAI's legacy per-choice logprobs: parallel lists, one entry per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(ResponseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class Completion(ResponseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+def legacy_logprobs(items: list[TokenLogprob], offset: int) -> CompletionLogprobs:
+    """Legacy logprobs for `items`, whose text starts at character `offset` of the choice."""
+    offsets = []
+    for item in items:
+        offsets.append(offset)
+        offset += len(item.token)
+    return CompletionLogprobs(
+        tokens=[t.token for t in items],
+        token_logprobs=[t.logprob for t in items],
+        top_logprobs=[{x.token: x.logprob for x in t.top_logprobs} for t in items],
+        text_offset=offsets,
+    )
+
+
+class _Choice:
+    """What one choice has produced so far."""
+
+    def __init__(self, prefix: str) -> None:
+        self.texts = [prefix] if prefix else []
+        self.logprobs: list[TokenLogprob] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    def add(self, chunk: GenerationChunk) -> None:
+        self.texts.append(chunk.text)
+        self.logprobs.extend(chunk.logprobs or [])
+        if chunk.finish_reason is not None:
+            self.finish_reason, self.stop_reason = chunk.finish_reason, chunk.stop_reason
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(t.logprob for t in self.logprobs)
+
+
+class CompletionAccumulator:
+    """Folds worker chunks (of all choices) into one `text_completion`; with best_of > n
+    it keeps the n choices of highest cumulative log-probability."""
+
+    def __init__(self, request_id: str, req: CompletionRequest) -> None:
+        self.request_id = request_id
+        self.model = req.model
+        self.created = int(time.time())
+        self.n = req.n
+        self.show_logprobs = req.logprobs is not None
+        self.choices = [_Choice(req.prompt if req.echo else "") for _ in range(req.num_samples)]
+        self.last = GenerationChunk()
+
+    def add(self, chunk: GenerationChunk) -> None:
+        if chunk.error is not None:
+            raise APIError.from_info(chunk.error, WORKER_PARAM_NAMES)
+        self.choices[chunk.index].add(chunk)
+        self.last = chunk
+
+    def result(self) -> Completion:
+        kept = self.choices
+        if len(kept) > self.n:
+            kept = sorted(kept, key=lambda c: c.cumulative_logprob, reverse=True)[: self.n]
+        choices = [
+            CompletionChoice(index=i, text="".join(c.texts),
+                             logprobs=legacy_logprobs(c.logprobs, 0) if self.show_logprobs else None,
+                             finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            for i, c in enumerate(kept)
+        ]
+        return Completion(id=self.request_id, object="text_completion", created=self.created, model=self.model,
+                          choices=choices, usage=usage_of(self.last))
+
+
+class CompletionStreamer:
+    """Turns worker chunks into `text_completion` SSE events (n choices interleave)."""
+
+    def __init__(self, request_id: str, req: CompletionRequest) -> None:
+        self.request_id = request_id
+        self.model = req.model
+        self.created = int(time.time())
+        options = req.stream_options
+        self.include_usage = bool(options and options.include_usage)
+        self.continuous_usage = bool(options and options.continuous_usage_stats)
+        self.show_logprobs = req.logprobs is not None
+        self.echo = [req.prompt if req.echo else ""] * req.n  # not yet sent, per choice
+        self.offsets = [0] * req.n  # characters sent, per choice (legacy text_offset)
+
+    async def events(self, first: GenerationChunk, rest: AsyncIterator[GenerationChunk]) -> AsyncIterator[str]:
+        chunk: GenerationChunk | None = first
+        last = first
+        while chunk is not None:
+            if chunk.error is not None:
+                yield sse(APIError.from_info(chunk.error, WORKER_PARAM_NAMES).body())
+                break
+            choice = self._choice(chunk)
+            if choice is not None:
+                usage = usage_of(chunk) if self.continuous_usage else None
+                yield self._event([choice], usage)
+            last = chunk
+            chunk = await anext(rest, None)
+        else:
+            if self.include_usage:
+                yield self._event([], usage_of(last))
+        yield "data: [DONE]\n\n"
+
+    def _choice(self, chunk: GenerationChunk) -> CompletionChoice | None:
+        i = chunk.index
+        text, self.echo[i] = self.echo[i] + chunk.text, ""
+        if not text and chunk.finish_reason is None:
+            return None  # text held back (partial UTF-8 or a possible stop string)
+        logprobs = legacy_logprobs(chunk.logprobs or [], self.offsets[i]) if self.show_logprobs else None
+        self.offsets[i] += len(text)
+        choice = CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=chunk.finish_reason)
+        if chunk.finish_reason is not None and chunk.stop_reason is not None:
+            choice.stop_reason = chunk.stop_reason
+        return choice
+
+    def _event(self, choices: list[CompletionChoice], usage: Usage | None) -> str:
+        event = Completion(id=self.request_id, object="text_completion", created=self.created, model=self.model,
+                           choices=choices)
+        if usage is not None or self.include_usage:
+            event.usage = usage  # null on every chunk but the last when include_usage, as OpenAI
+        return sse_json(event.dump_json())

@@ -1,0 +1,1 @@
+"""HTTP plumbing of the ingress: body limits, errors, SSE, API keys, metrics."""

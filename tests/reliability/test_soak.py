@@ -1,0 +1,97 @@
+"""A short soak (serve_app/soak.py) on the tiny model: mixed requests, nothing lost, and the
+worker back to its baseline (no sequence, no referenced KV block) afterwards.
+`make soak` runs the long one on the default model."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from ray import serve
+
+from serve_app.app import build_app
+from tests.support.serve_fixtures import TINY_MODEL_ID, tiny_app_args, wait_ready
+from tests.support.tiny_models import write_tiny_model_dir
+from tools.reliability.soak import (
+    COMPLETED,
+    KINDS,
+    Malformed,
+    ServeProbe,
+    SoakConfig,
+    StreamState,
+    check_body,
+    request_for,
+    soak,
+)
+
+APP = "soak"
+
+
+@pytest.fixture(scope="module")
+def soak_app(serve_instance, tmp_path_factory):
+    # The tiny tokenizer spends about a token a character: the tool request's system prompt
+    # (the tool list and the call format) needs a ~2k window.
+    model_dir = write_tiny_model_dir(tmp_path_factory.mktemp("soak_model"), max_position_embeddings=4096)
+    args = tiny_app_args(model_dir, max_model_len=4096, kv_cache_memory_gib=0.02)
+    serve.run(build_app(args), name=APP, route_prefix="/soak", blocking=False)
+    url = serve_instance.url("/soak")
+    wait_ready(url)
+    yield url
+    serve.delete(APP)
+
+
+def test_short_soak_loses_nothing_and_returns_to_baseline(soak_app):
+    config = SoakConfig(url=soak_app, model=TINY_MODEL_ID, concurrency=12, duration_s=20, max_tokens=24,
+                        request_timeout_s=120, settle_timeout_s=30)
+    result = asyncio.run(soak(config, ServeProbe(APP, TINY_MODEL_ID)))
+    print(result.summary())
+    assert result.lost == 0, result.lost_details
+    assert all(result.by_kind[kind].get(COMPLETED) for kind in KINDS), result.by_kind  # every kind ran
+    assert result.completed >= 50  # (a random model seldom closes the forced call within max_tokens)
+    # A clear error (a worker's 5xx or a 400) is not lost, but a healthy worker has none.
+    assert result.failed == 0, result.failures
+    assert result.before["kv_blocks_used"] == 0 and result.before["running"] == 0
+    assert result.back_to_baseline, (result.before, result.after)
+    assert result.after["kv_blocks_used"] == 0
+
+
+# ------------------------------------------------------------------ the classifier itself
+
+
+def test_request_kinds_are_valid_requests():
+    from serve_app.dialects.chat.request import ChatCompletionRequest
+    from serve_app.dialects.completions import CompletionRequest
+    from serve_app.ingress import parse_request
+
+    rng = random.Random(0)
+    for _ in range(5):
+        for kind in KINDS:
+            path, body = request_for(kind, "m", 16, rng)
+            parse_request(CompletionRequest if path == "/v1/completions" else ChatCompletionRequest, body)
+
+
+def test_a_stream_without_done_or_a_finish_is_not_complete():
+    state = StreamState(n=2)
+    state.feed('data: {"choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": "stop"}]}')
+    state.feed("data: [DONE]")
+    assert not state.complete()  # choice 1 never finished
+    with pytest.raises(Malformed):
+        state.feed('data: {"choices": []}')  # nothing may follow [DONE]
+    error = StreamState(n=1)
+    error.feed('data: {"error": {"message": "boom", "code": "worker_failed"}}')
+    error.feed("data: [DONE]")
+    assert error.error == "worker_failed" and not error.complete()
+    with pytest.raises(Malformed):
+        StreamState(n=1).feed('data: {"error": {"code": "x"}}')  # an error needs a message
+
+
+def test_a_body_must_have_every_choice_and_usage():
+    body = {"n": 2}
+    ok = {"choices": [{"index": i, "finish_reason": "stop", "message": {"content": "x"}} for i in range(2)],
+          "usage": {"completion_tokens": 2}}
+    assert check_body("/v1/chat/completions", body, ok) == (2, 0)
+    with pytest.raises(Malformed):
+        check_body("/v1/chat/completions", body, {**ok, "choices": ok["choices"][:1]})
+    with pytest.raises(Malformed):
+        check_body("/v1/chat/completions", body, {**ok, "usage": None})

@@ -1,0 +1,169 @@
+"""Tool calling and reasoning output over HTTP, on tiny random models served by Ray Serve,
+and the request rules (400 naming the field) checked without a server."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from serve_app.dialects.chat.request import ChatCompletionRequest
+from serve_app.dialects.chat.translate import to_generate_request
+from serve_app.http.errors import APIError
+from serve_app.ingress import parse_request
+from tests.support.serve_fixtures import tiny_app_args, wait_ready
+from tests.support.tiny_models import write_tiny_model_dir
+from tests.unit.text.test_tool_prompts import THINK_TEMPLATE
+
+TOOLS_MODEL, THINKER = "tiny-tools", "tiny-thinker"
+SHIP = {"type": "function", "function": {
+    "name": "ship", "description": "Ship an order.",
+    "parameters": {"type": "object",
+                   "properties": {"speed": {"enum": ["slow", "fast"]}, "boxes": {"type": "integer", "minimum": 1, "maximum": 9}},
+                   "required": ["speed", "boxes"], "additionalProperties": False}}}
+NAMED_SHIP = {"type": "function", "function": {"name": "ship"}}
+USER = [{"role": "user", "content": "Ship my order fast."}]
+
+
+# ------------------------------------------------------------------------ request rules
+
+def rejected(body: dict) -> APIError:
+    body = {"model": "m", "messages": USER, **body}
+    with pytest.raises(APIError) as info:
+        to_generate_request(parse_request(ChatCompletionRequest, body), "r")
+    assert info.value.status == 400
+    return info.value
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tools": [{"type": "retrieval", "function": SHIP["function"]}]}, "tools.0.type"),
+    ({"tools": [{"type": "function", "function": {**SHIP["function"], "name": "ship it!"}}]}, "tools.0.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "a" * 65}}]}, "tools.0.function.name"),
+    ({"tools": [{"type": "function", "function": {**SHIP["function"], "parameters": {"type": "objekt"}}}]},
+     "tools.0.function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"x": {"minimum": "0"}}}}}]},
+     "tools.0.function.parameters"),
+    ({"tools": [SHIP, SHIP]}, "tools"),
+    # valid JSON schema, but a look-ahead pattern llguidance cannot enforce (only checked when forced or strict)
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "pattern": "(?=a)b"}}}}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": NAMED_SHIP}, "tool_choice"),
+    ({"tools": [SHIP], "tool_choice": {"type": "function", "function": {"name": "fly"}}}, "tool_choice"),
+    ({"tools": [SHIP], "tool_choice": "always"}, "tool_choice"),
+    ({"tools": [SHIP], "tool_choice": "required", "n": 2, "use_beam_search": True, "temperature": 0}, "tool_choice"),
+    ({"tools": [SHIP], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": USER + [{"role": "tool", "content": "done"}]}, "messages.1"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "ship", "arguments": "{}"}}]}]}, "messages.0"),
+])
+def test_bad_tool_requests_are_400_naming_the_field(body, param):
+    assert rejected(body).param == param
+
+
+def test_tool_fields_accepted_and_translated():
+    req = parse_request(ChatCompletionRequest, {"model": "m", "messages": USER, "tools": [SHIP]})
+    request = to_generate_request(req, "r")
+    assert request.tools == [SHIP] and request.params.guided is None  # auto, no strict function: free
+    forced = to_generate_request(parse_request(ChatCompletionRequest, {
+        "model": "m", "messages": USER, "tools": [SHIP], "tool_choice": NAMED_SHIP}), "r")
+    assert forced.params.guided.kind == "lark" and '"const": "ship"' in forced.params.guided.spec
+    none = to_generate_request(parse_request(ChatCompletionRequest, {
+        "model": "m", "messages": USER, "tools": [SHIP], "tool_choice": "none"}), "r")
+    assert none.tools is None and none.params.guided is None
+
+
+# --------------------------------------------------------------------------- over HTTP
+
+@pytest.fixture(scope="module")
+def tools_app(serve_instance, tmp_path_factory):
+    """Two tiny random models with a window for chatserve's tool section: one plain (hermes
+    tool calls), one 'thinking' model whose template opens <think> (deepseek_r1)."""
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    plain = write_tiny_model_dir(tmp_path_factory.mktemp("tools_model"), max_position_embeddings=2048)
+    thinker = write_tiny_model_dir(tmp_path_factory.mktemp("thinker_model"))
+    tokenizer = AutoTokenizer.from_pretrained(thinker)
+    tokenizer.chat_template = THINK_TEMPLATE
+    tokenizer.save_pretrained(thinker)
+    args = tiny_app_args(plain, max_model_len=2048, kv_cache_memory_gib=0.01)
+    base = args["models"][0]
+    args["models"] = [dict(base, id=TOOLS_MODEL),
+                      dict(base, id=THINKER, source=str(thinker), reasoning_parser="deepseek_r1",
+                           engine=dict(base["engine"], max_model_len=256))]
+    serve.run(build_app(args), name="tools", route_prefix="/tools", blocking=False)
+    url = serve_instance.url("/tools")
+    wait_ready(url, timeout=180)
+    return url
+
+
+def test_forced_call_has_the_documented_shape(tools_app):
+    body = {"model": TOOLS_MODEL, "messages": USER, "tools": [SHIP], "tool_choice": NAMED_SHIP,
+            "max_tokens": 128, "seed": 3}
+    resp = httpx.post(tools_app + "/v1/chat/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    message = choice["message"]
+    assert message["role"] == "assistant" and message["content"] is None
+    [call] = message["tool_calls"]
+    assert call["id"].startswith("call_") and call["type"] == "function" and call["function"]["name"] == "ship"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), SHIP["function"]["parameters"])
+
+
+def test_openai_client_reads_calls_plain_and_streamed(tools_app):
+    client = openai.OpenAI(base_url=tools_app + "/v1", api_key="unused", max_retries=0)
+    kwargs = dict(model=TOOLS_MODEL, messages=USER, tools=[SHIP], tool_choice="required", parallel_tool_calls=False,
+                  max_tokens=128, seed=5)
+    out = client.chat.completions.create(**kwargs)
+    [call] = out.choices[0].message.tool_calls
+    assert out.choices[0].finish_reason == "tool_calls" and call.function.name == "ship"
+    # The SDK's own stream assembly (ChatCompletionStreamState) rebuilds the same message.
+    with client.chat.completions.stream(**kwargs) as stream:
+        final = stream.get_final_completion()
+    [streamed] = final.choices[0].message.tool_calls
+    assert (streamed.function.name, streamed.function.arguments) == (call.function.name, call.function.arguments)
+    assert streamed.id.startswith("call_")
+    # Assembling by hand: the first delta of a call names it, later ones append arguments.
+    arguments, names = "", []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for delta_call in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            assert delta_call.index == 0
+            names += [delta_call.function.name] if delta_call.function.name else []
+            arguments += delta_call.function.arguments or ""
+    assert names == ["ship"] and json.loads(arguments) == json.loads(call.function.arguments)
+
+
+def test_reasoning_is_split_on_v1_and_kept_on_lm_v2(tools_app):
+    """The thinker's template opens <think>, so its (random) output is all reasoning on /v1;
+    /lm/v2 returns the same greedy text untouched in content."""
+    v1 = httpx.post(tools_app + "/v1/chat/completions", timeout=120, json={
+        "model": THINKER, "messages": USER, "temperature": 0, "max_tokens": 12}).json()
+    lm = httpx.post(tools_app + "/lm/v2/chat/completions", timeout=120, json={
+        "model": THINKER, "messages": USER, "top_p": 0, "max_completion_tokens": 12}).json()
+    raw = lm["choices"][0]["message"]["content"]
+    message = v1["choices"][0]["message"]
+    assert raw and message["reasoning_content"] == raw and message["content"] == ""
+    assert v1["usage"]["completion_tokens_details"] == {"reasoning_tokens": v1["usage"]["completion_tokens"]}
+
+    off = httpx.post(tools_app + "/v1/chat/completions", timeout=120, json={
+        "model": THINKER, "messages": USER, "temperature": 0, "max_tokens": 12,
+        "chat_template_kwargs": {"enable_thinking": False}}).json()
+    assert off["choices"][0]["message"].get("reasoning_content") is None
+    assert off["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
+
+
+def test_reasoning_streams_as_reasoning_content(tools_app):
+    client = openai.OpenAI(base_url=tools_app + "/v1", api_key="unused", max_retries=0)
+    kwargs = dict(model=THINKER, messages=USER, temperature=0, max_tokens=12)
+    whole = client.chat.completions.create(**kwargs)
+    pieces = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
+    reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in pieces)
+    assert reasoning == whole.choices[0].message.reasoning_content
+    assert "".join(d.content or "" for d in pieces) == whole.choices[0].message.content

@@ -1,0 +1,1 @@
+"""Test helpers: tiny random models, the Serve fixtures, SSE parsing, engine runs."""

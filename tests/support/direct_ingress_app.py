@@ -1,0 +1,96 @@
+"""Run by tests/serve/test_direct_ingress.py in a process of its own: Ray Serve's direct ingress
+must be switched on before Ray starts, so this starts its own Ray with it, serves the tiny
+model with API keys, and prints one JSON object of what the test checks.
+
+    RAY_SERVE_ENABLE_DIRECT_INGRESS=1 RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=P \
+        RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=Q python -m tests.support.direct_ingress_app
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+KEY = "sk-direct-ingress-check"
+MESSAGES = [{"role": "user", "content": "Hello! How can I assist you today?"}]
+
+
+def main() -> None:
+    import ray
+    from ray import serve
+
+    from serve_app.app import build_app
+    from tests.support.serve_fixtures import (
+        TINY_MODEL_ID,
+        free_port,
+        tiny_app_args,
+        wait_ready,
+        worker_stats,
+    )
+    from tests.support.tiny_models import write_tiny_model_dir
+
+    os.environ["CHATSERVE_DIRECT_TEST_KEYS"] = KEY
+    args = tiny_app_args(write_tiny_model_dir(Path(tempfile.mkdtemp(prefix="chatserve-direct-")) / "tiny"))
+    args["server"] = {"api_keys_env": "CHATSERVE_DIRECT_TEST_KEYS"}
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    proxy_port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": proxy_port})
+    proxy = f"http://127.0.0.1:{proxy_port}"
+    try:
+        serve.run(build_app(args), name="direct", route_prefix="/", blocking=False)
+        direct = f"http://127.0.0.1:{os.environ['RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT']}"
+        auth = {"Authorization": f"Bearer {KEY}"}
+        wait_ready(direct, timeout=180, headers=auth)
+        body = {"model": TINY_MODEL_ID, "messages": MESSAGES, "max_tokens": 12, "temperature": 0}
+        result = {
+            "unauthorized": httpx.post(direct + "/v1/chat/completions", json=body, timeout=60).status_code,
+            "direct_text": _text(direct, body, auth),
+            "proxy_text": _text(proxy, body, auth),
+            "direct_stream_text": _stream_text(direct, body, auth),
+        }
+        _leave_a_stream(direct, body, auth)
+        result["after_disconnect"] = _settled(lambda: worker_stats("direct", TINY_MODEL_ID))
+        print("RESULT " + json.dumps(result), flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _text(url: str, body: dict, headers: dict) -> str:
+    resp = httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+    resp.raise_for_status()
+    return resp.json()["choices"][0]["message"]["content"]
+
+
+def _stream_text(url: str, body: dict, headers: dict) -> str:
+    parts = []
+    with httpx.stream("POST", url + "/v1/chat/completions", json=dict(body, stream=True), headers=headers,
+                      timeout=60) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                parts.extend(c["delta"].get("content") or "" for c in json.loads(line[6:])["choices"])
+    return "".join(parts)
+
+
+def _leave_a_stream(url: str, body: dict, headers: dict) -> None:
+    long_body = dict(body, stream=True, max_tokens=200, ignore_eos=True)
+    with httpx.stream("POST", url + "/v1/chat/completions", json=long_body, headers=headers, timeout=60) as resp:
+        assert next(resp.iter_lines()).startswith("data: ")
+
+
+def _settled(stats_of, timeout: float = 20) -> dict:
+    deadline = time.time() + timeout
+    while True:
+        stats = stats_of()
+        if (stats.active_requests == 0 and stats.kv_blocks_used == 0) or time.time() > deadline:
+            return {"active_requests": stats.active_requests, "kv_blocks_used": stats.kv_blocks_used}
+        time.sleep(0.2)
+
+
+if __name__ == "__main__":
+    main()

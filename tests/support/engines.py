@@ -1,0 +1,104 @@
+"""Engine test helpers: a tiny engine, running it to completion, transformers' greedy reference,
+the engine behind asyncio, and the tiny model's chat template by hand."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import torch
+
+from workers.contract.requests import GenerateRequest
+from workers.contract.sampling_params import SamplingParams
+from workers.engine.limits import EngineLimits
+from workers.engine.llm_engine import LLMEngine
+from workers.model.kv_cache import KVCacheShape
+from workers.serving.async_engine import AsyncEngine
+
+CPU = torch.device("cpu")
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def make_engine(model, num_blocks=256, block_size=4, eos=frozenset(), tokenizer=None, **limits) -> LLMEngine:
+    per_token = KVCacheShape.from_model_config(model.config, model.dtype).bytes_per_token
+    limits = EngineLimits(block_size=block_size, kv_cache_bytes=num_blocks * block_size * per_token, **limits)
+    engine = LLMEngine(model, eos, limits, CPU, tokenizer=tokenizer)
+    assert engine.blocks.num_blocks == num_blocks
+    return engine
+
+
+def run_to_completion(engine: LLMEngine, max_steps: int = 2000) -> dict[int, list]:
+    events: dict[int, list] = {}
+    for _ in range(max_steps):
+        if not engine.has_work():
+            return events
+        for ev in engine.step():
+            events.setdefault(ev.request_id, []).append(ev)
+    raise AssertionError("engine did not finish")
+
+
+def record_preemptions(engine: LLMEngine) -> list:
+    """Wrap the scheduler so the test can see which sequences each step preempted."""
+    preempted: list = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        batch = schedule()
+        preempted.extend(batch.preempted)
+        return batch
+
+    engine.scheduler.schedule = recording_schedule
+    return preempted
+
+
+_REFERENCE: dict[tuple, list[int]] = {}
+
+
+def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """transformers' own greedy decoding, EOS disabled."""
+    key = (tuple(prompt), n)
+    if key not in _REFERENCE:
+        x = torch.tensor([prompt])
+        out = model.generate(
+            x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n, eos_token_id=None, pad_token_id=0
+        )
+        tokens = out[0, len(prompt) :].tolist()
+        assert len(tokens) == n
+        _REFERENCE[key] = tokens
+    return _REFERENCE[key]
+
+
+async def wait_idle(engine: LLMEngine, timeout: float = 5.0) -> None:
+    """Aborts reach the engine thread through its command queue: give it a moment."""
+    deadline = time.monotonic() + timeout
+    while (engine.blocks.num_used_blocks or engine.num_active) and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
+
+
+async def with_async_engine(engine: LLMEngine, body):
+    aengine = AsyncEngine(engine)
+    aengine.start(asyncio.get_running_loop())
+    try:
+        return await asyncio.wait_for(body(aengine), timeout=30)
+    finally:
+        aengine.stop()
+        assert not aengine._thread.is_alive()
+
+
+def chat_request(text: str, max_tokens: int | None, **params) -> GenerateRequest:
+    return GenerateRequest(
+        request_id="r",
+        params=SamplingParams(temperature=0.0, **params),
+        messages=[{"role": "user", "content": text}],
+        max_tokens=max_tokens,
+    )
+
+
+def template_ids(tokenizer, text: str) -> list[int]:
+    # The tiny model's template written out by hand (tests/tiny_models.py CHAT_TEMPLATE).
+    rendered = f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+

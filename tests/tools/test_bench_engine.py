@@ -1,0 +1,63 @@
+"""tools.bench.engine's `worker` mode: the worker's request path in one process."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import pytest
+
+from tools.bench import engine as bench_engine
+
+
+def test_worker_mode_runs_the_load_through_the_request_path(tiny_model_dir, capsys):
+    bench_engine.main(["--source", str(tiny_model_dir), "worker", "--concurrency", "1", "3",
+                       "--num-requests", "5", "--max-tokens", "4", "--prompt", "Hello there"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("worker ")]
+    assert [re.search(r"c=(\d+)\s+n=(\d+)", line).groups() for line in lines] == [("1", "5"), ("3", "5")]
+    for line in lines:
+        tok_s = float(re.search(r"tok/s=\s*([\d.]+)", line).group(1))
+        tpot = float(re.search(r"TPOT med=\s*([\d.]+)", line).group(1))
+        assert tok_s > 0 and tpot > 0
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_worker_level_counts_every_token(tiny_model_dir, concurrency):
+    async def run():
+        engine, processor = await bench_engine.start_worker(str(tiny_model_dir))
+        try:
+            return await bench_engine.worker_level(processor, "Hi", concurrency, 6, 5)
+        finally:
+            engine.stop()
+
+    report = asyncio.run(run())
+    assert report.requests == 6 and report.concurrency == concurrency
+    assert report.output_tok_s * report.wall_s == pytest.approx(6 * 5)
+
+
+def test_offline_engine_schedules_as_the_serve_config_says(tiny_model):
+    """The offline baseline must run the Serve path's step budget, prefill cap, sequence
+    cap and KV pool, or "Serve path / engine offline" compares two schedulers."""
+    config = bench_engine.served_model_config(bench_engine.SERVE_CONFIG)
+    engine = bench_engine.configured_engine(tiny_model, config)
+    assert (engine.limits.max_num_batched_tokens, engine.limits.max_prefill_tokens_while_decoding,
+            engine.limits.max_num_seqs) == (config.engine.max_num_batched_tokens,
+                                            config.engine.max_prefill_tokens_while_decoding,
+                                            config.engine.max_num_seqs)
+    assert engine.limits.max_prefill_tokens_while_decoding is not None  # the default config caps prefill
+    assert engine.limits.kv_cache_bytes == int(config.engine.kv_cache_memory_gib * 1024**3)
+    assert engine.limits.async_scheduling is False  # a CPU config
+
+
+def test_engine_limits_clip_the_window_and_keep_async_scheduling_to_cuda():
+    from workers.contract.model_config import ModelConfig
+    from workers.engine.limits import engine_limits
+
+    cpu = ModelConfig.model_validate({"id": "m", "engine": {"max_model_len": 8192, "async_scheduling": True}})
+    assert engine_limits(cpu, 2048).max_model_len == 2048
+    assert engine_limits(cpu, 32768).max_model_len == 8192
+    assert engine_limits(cpu, 2048).async_scheduling is False
+    cuda = ModelConfig.model_validate({"id": "m", "device": "cuda", "engine": {"async_scheduling": True},
+                                       "deployment": {"ray_actor_options": {"num_gpus": 1}}})
+    assert engine_limits(cuda, 2048).async_scheduling is True
+    assert engine_limits(cuda, 2048).max_model_len == 2048  # no configured length: the model's window

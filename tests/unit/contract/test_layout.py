@@ -1,0 +1,85 @@
+"""The layout's promises: the ingress imports no torch, and no module import cycle exists."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+
+from tests.support.paths import REPO_ROOT
+
+PACKAGES = ("serve_app", "workers")
+
+
+def test_importing_the_ingress_pulls_in_no_torch():
+    code = ("import sys, serve_app.ingress, serve_app.handle_api, workers.contract.grammar;"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def _module_name(path) -> str:
+    parts = list(path.relative_to(REPO_ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(tree: ast.AST, modules: set[str]) -> set[str]:
+    """Modules of ours imported anywhere in the file, except under `if TYPE_CHECKING:`."""
+    found: set[str] = set()
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            skip.update(id(n) for n in ast.walk(node))
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module:
+            for alias in node.names:
+                name = f"{node.module}.{alias.name}"
+                found.add(name if name in modules else node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {m for m in found if m in modules}
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = [p for pkg in PACKAGES for p in (REPO_ROOT / pkg).rglob("*.py")]
+    modules = {_module_name(p) for p in files}
+    return {_module_name(p): _imports(ast.parse(p.read_text()), modules) - {_module_name(p)} for p in files}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)) is not None:
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)) is not None:
+            return cycle
+    return None
+
+
+def test_no_module_import_cycles():
+    assert find_cycle(import_graph()) is None
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_tools_live_outside_the_product_packages():
+    names = {p.stem for pkg in PACKAGES for p in (REPO_ROOT / pkg).rglob("*.py")}
+    assert not names & {"bench", "bench_engine", "bench_gpu", "soak", "faults", "fuzz", "hostile_table"}

@@ -1,0 +1,1 @@
+"""Tools outside the product: benchmarks (tools/bench) and reliability runs (tools/reliability)."""

@@ -1,0 +1,1 @@
+"""Benchmarks: the load generator, the offline engine, the GPU engine, the CPU comparison against peers."""

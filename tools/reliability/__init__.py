@@ -1,0 +1,1 @@
+"""Reliability runs: soak, faults under load, request-body fuzzing, hostile inputs, auth timing."""

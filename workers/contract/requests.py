@@ -1,0 +1,55 @@
+"""What the ingress asks of a worker: one generation request, with its images and tool prompt.
+
+Plain frozen dataclasses: cheap to pickle across Ray, no HTTP objects, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from workers.contract.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ImageData:
+    """One image of a chat request: its encoded file (PNG, JPEG, ...), already fetched and
+    size-capped by the ingress (serve_app/media.py); the worker decodes and checks it."""
+
+    data: bytes
+    param: str  # where the request put it, e.g. "messages.0.content.1.image_url" (named in errors)
+
+
+@dataclass(frozen=True)
+class ToolPrompt:
+    """How tools and earlier calls are written as text for a model whose chat template
+    ignores tools (workers/prompts.py). Built at the ingress by the model's tool-call
+    parser (serve_app/tool_parsers.py), the one module that knows the call format."""
+
+    system_section: str  # the tool list and the calling convention, added to the system prompt
+    call_open: str  # an earlier call is written call_open + {"name", arguments_key} JSON + call_close
+    call_close: str
+    arguments_key: str
+    result_open: str  # a tool result is a user turn: result_open + content + result_close
+    result_close: str
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """Exactly one of `messages` (chat) or `prompt` (plain completion).
+
+    An image sits in its message as `{"type": "image", "image_index": k}`; its bytes are
+    `images[k]`.
+    """
+
+    request_id: str
+    params: SamplingParams
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | None = None
+    max_tokens: int | None = None  # None: the rest of the context window
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    images: tuple[ImageData, ...] = ()
+    tools: list[dict[str, Any]] | None = None  # OpenAI tool objects the model may call
+    tool_prompt: ToolPrompt | None = None  # used when the chat template ignores tools
+    reasoning_start: str | None = None  # e.g. "<think>": the worker reports a prompt ending with it
+

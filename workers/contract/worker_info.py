@@ -1,0 +1,35 @@
+"""What a worker says about itself: its model (`ModelInfo`) and its load (`WorkerStats`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    id: str
+    max_model_len: int
+    vocab_size: int
+    kv_cache_blocks: int
+    block_size: int
+    accepts_images: bool = False  # a vision-language model
+    dtype: str = ""  # what the weights run in (`auto` resolved), e.g. "bfloat16"
+    packed_linear_layers: int = 0  # CPU: layers with oneDNN-packed weights (bfloat16, or float32 where faster)
+    fused_projections: int = 0  # groups of sibling projections (q/k/v, gate/up) run as one multiply each
+    decode_attention: str = "sdpa"  # "triton": the paged kernel (CUDA); "sdpa": over a gather
+    cuda_graph_max_batch: int = 0  # decode steps up to this batch replay CUDA graphs (0: none)
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    active_requests: int
+    waiting: int
+    running: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    engine_steps: int
+    prefix_cache_query_tokens: int = 0  # counters: prompt tokens looked up in the prefix cache
+    prefix_cache_hit_tokens: int = 0  # ... and found there
+    pid: int = 0  # the replica's process: a new pid means the replica was replaced
+    rss_bytes: int = 0  # its resident memory (Linux; 0 elsewhere)
+

@@ -1,0 +1,1 @@
+"""The continuous-batching engine: sequences, scheduling, KV blocks, and the step loop."""

@@ -1,0 +1,64 @@
+"""The data of one step: which chunks of which sequences it computes (`ScheduledBatch`),
+and which extra logits rows score prompt tokens. The scheduler builds it, the model
+runner reads it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from workers.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """`num_tokens` tokens of `seq`, starting at its first uncomputed position.
+
+    `samples` is fixed when scheduled: the chunk reaches the end of the sequence, so
+    the step yields a token for it.
+    """
+
+    seq: Sequence
+    num_tokens: int
+    samples: bool
+
+    @classmethod
+    def of(cls, seq: Sequence, num_tokens: int) -> "ScheduledChunk":
+        return cls(seq, num_tokens, seq.num_computed_tokens + num_tokens == seq.num_tokens)
+
+
+@dataclass(frozen=True)
+class PromptLogitRows:
+    """Logits rows (after the S sampling rows) that score prompt tokens of one chunk."""
+
+    seq: Sequence
+    first_position: int  # the row for position p predicts prompt token p + 1
+    count: int
+
+
+@dataclass
+class ScheduledBatch:
+    decodes: list[ScheduledChunk] = field(default_factory=list)
+    prefills: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, before the step
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+    def add(self, chunk: ScheduledChunk) -> None:
+        # A decode is one query token that samples; everything else is a prefill span.
+        if chunk.num_tokens == 1 and chunk.samples:
+            self.decodes.append(chunk)
+        else:
+            self.prefills.append(chunk)
+
+    @property
+    def sampling_chunks(self) -> list[ScheduledChunk]:
+        """Chunks that yield a token this step, in the model runner's logits order."""
+        return self.decodes + [c for c in self.prefills if c.samples]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(c.num_tokens for c in self.prefills)
+

@@ -1,0 +1,200 @@
+"""Paged KV-cache bookkeeping: fixed-size blocks, one block table per sequence, prefix cache.
+
+The KV tensors are a pool of `num_blocks * block_size` token slots (see kv_cache.py).
+A sequence owns the blocks in its `block_table`; token position p lives in slot
+`block_table[p // block_size] * block_size + p % block_size`. Memory grows a block at a
+time with the sequence, so nothing is reserved up to a maximum length.
+
+Blocks are reference-counted so sequences can share them: `fork` gives a child the
+parent's whole table (n > 1 choices prefill their prompt once). A sequence about to
+write into a block it shares gets a private copy first (copy-on-write); `allocate`
+returns those (source, destination) block pairs for the KV cache to copy.
+
+Prefix cache (as vLLM and nano-vllm): once a full block's K/V are computed, it is
+registered under a chain hash of its tokens and of every block before it (and the
+sequence's `cache_salt`), so equal hashes mean equal prefixes. A new sequence whose
+leading blocks hash the same takes those blocks by reference instead of computing
+them. A block whose last reference goes keeps its hash and stays findable while it
+sits in the free pool; the pool hands out least-recently-freed blocks first, so the
+cached blocks evicted are the ones unused longest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+from workers.engine.sequence import Sequence
+
+
+def chain_hash(parent: bytes | None, token_ids: list[int], salt: bytes = b"") -> bytes:
+    """Hash of one full block given the hash of the block before it (None for the first)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent if parent is not None else b"\x00" + salt)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        # Free blocks, least recently freed first; never-used blocks start at the front.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._refs = [0] * num_blocks
+        self._hash_of: list[bytes | None] = [None] * num_blocks
+        self._cached: dict[bytes, int] = {}  # chain hash -> block holding that prefix
+        self.query_tokens = 0  # prompt tokens looked up in the prefix cache (counter)
+        self.hit_tokens = 0  # of which found there
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no sequence references, cached ones included (they can be evicted)."""
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    # --- prefix cache ----------------------------------------------------------------
+
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """Blocks holding the longest cached prefix of a sequence that has none yet. The
+        last token is never covered: its logits are needed to sample."""
+        if not self.enable_prefix_caching or seq.block_table or _needs_every_prompt_logit(seq):
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hashes = self._block_hashes(seq, max_blocks)
+        blocks = []
+        for h in hashes:
+            block = self._cached.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def use_prefix(self, seq: Sequence, blocks: list[int]) -> None:
+        """Start `seq` with `blocks` (from `cached_prefix`) as computed context."""
+        if seq.num_cached_tokens is None:  # first admission: what usage reports
+            seq.num_cached_tokens = len(blocks) * self.block_size
+            self.query_tokens += seq.num_tokens
+            self.hit_tokens += seq.num_cached_tokens
+        for block in blocks:
+            if self._refs[block] == 0:
+                del self._free[block]
+            self._refs[block] += 1
+        seq.block_table = list(blocks)
+        seq.num_computed_tokens = len(blocks) * self.block_size
+        seq.num_cached_blocks = len(blocks)
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Register the full blocks whose K/V are now computed (called after a step ran)."""
+        if not self.enable_prefix_caching:
+            return
+        # Only blocks whose tokens are all known: under async scheduling a step is computed
+        # before the token it fed is back on the host.
+        full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        if full <= seq.num_cached_blocks:
+            return
+        hashes = self._block_hashes(seq, full)
+        for index in range(seq.num_cached_blocks, full):
+            block, h = seq.block_table[index], hashes[index]
+            if h not in self._cached and self._hash_of[block] is None:
+                self._cached[h] = block
+                self._hash_of[block] = h
+        seq.num_cached_blocks = full
+
+    def _block_hashes(self, seq: Sequence, count: int) -> list[bytes]:
+        """Chain hashes of the first `count` full blocks of `seq`, computed once per sequence."""
+        hashes, bs = seq.block_hashes, self.block_size
+        while len(hashes) < count:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(chain_hash(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.cache_salt))
+        return hashes[:count]
+
+    # --- allocation ------------------------------------------------------------------
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int, prefix: list[int] | tuple[int, ...] = ()) -> int:
+        """Blocks `seq` must take from the pool so `num_new_tokens` more tokens fit after its
+        computed ones (after the cached `prefix` blocks, for a sequence being admitted)."""
+        computed = seq.num_computed_tokens + len(prefix) * self.block_size
+        have = len(seq.block_table) + len(prefix)
+        needed = max(0, -(-(computed + num_new_tokens) // self.block_size) - have)
+        # A cached block nobody references sits in the free pool: reusing it takes it out.
+        idle_prefix = sum(1 for block in prefix if self._refs[block] == 0)
+        return needed + idle_prefix + int(self._needs_copy(seq, num_new_tokens))
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix: list[int] | tuple[int, ...] = ()) -> bool:
+        return self.blocks_needed(seq, num_new_tokens, prefix) <= len(self._free)
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
+        """Grow `seq.block_table` to cover `num_new_tokens` more tokens; return blocks to copy."""
+        needed = self.blocks_needed(seq, num_new_tokens)
+        if needed > len(self._free):
+            raise RuntimeError(f"KV cache out of blocks: need {needed}, have {len(self._free)}")
+        copies = []
+        if self._needs_copy(seq, num_new_tokens):
+            index = seq.num_computed_tokens // self.block_size
+            shared = seq.block_table[index]
+            private = self._take()
+            self._release(shared)
+            seq.block_table[index] = private
+            copies.append((shared, private))
+        total = seq.num_computed_tokens + num_new_tokens
+        while len(seq.block_table) * self.block_size < total:
+            seq.block_table.append(self._take())
+        return copies
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give `child` the parent's blocks, shared until one of them writes."""
+        child.block_table = list(parent.block_table)
+        for block in child.block_table:
+            self._refs[block] += 1
+
+    def free(self, seq: Sequence) -> None:
+        """Drop `seq`'s references and forget what was computed."""
+        # Last block first: a prefix chain is evicted from its tail, keeping its head findable.
+        for block in reversed(seq.block_table):
+            self._release(block)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_cached_blocks = 0
+
+    def max_tokens_capacity(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def _needs_copy(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """The first write lands in an existing block that another sequence also holds."""
+        if num_new_tokens <= 0:
+            return False
+        index = seq.num_computed_tokens // self.block_size
+        return index < len(seq.block_table) and self._refs[seq.block_table[index]] > 1
+
+    def _take(self) -> int:
+        block, _ = self._free.popitem(last=False)
+        h = self._hash_of[block]
+        if h is not None:  # evict: its slots are about to be overwritten
+            del self._cached[h]
+            self._hash_of[block] = None
+        self._refs[block] = 1
+        return block
+
+    def _release(self, block: int) -> None:
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            self._free[block] = None
+
+
+def _needs_every_prompt_logit(seq: Sequence) -> bool:
+    """A request asking prompt_logprobs must compute every prompt position (as vLLM skips
+    the cache for it); after preemption its prompt is already scored."""
+    return seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0

@@ -1,0 +1,53 @@
+"""The engine's fixed limits, how a model's config sets them, and the error for a request
+that can never fit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.contract.model_config import ModelConfig
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    block_size: int = 16
+    kv_cache_bytes: int = 512 * 1024**2
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+    enable_prefix_caching: bool = True
+    max_prefill_tokens_while_decoding: int | None = None  # see SchedulerConfig
+    cuda_graph_max_batch: int = 0  # CUDA: decode steps up to this batch replay graphs (0: off)
+    async_scheduling: bool = False  # launch the next decode step before reading this one's tokens
+
+
+def model_window(model: torch.nn.Module) -> int:
+    """The longest context the model's positions allow (2048 when its config names none)."""
+    return getattr(model.config.get_text_config(), "max_position_embeddings", None) or 2048
+
+
+def engine_limits(config: ModelConfig, model_window: int) -> EngineLimits:
+    """The limits a model's config asks for; `kv_cache_bytes` is left at its default, for
+    kv_sizing to size. The worker and the offline benchmarks build engines alike."""
+    eng = config.engine
+    return EngineLimits(
+        block_size=eng.block_size,
+        max_num_seqs=eng.max_num_seqs,
+        max_num_batched_tokens=eng.max_num_batched_tokens,
+        max_model_len=min(eng.max_model_len or model_window, model_window),
+        enable_prefix_caching=eng.enable_prefix_caching,
+        max_prefill_tokens_while_decoding=eng.max_prefill_tokens_while_decoding,
+        cuda_graph_max_batch=eng.cuda_graph_max_batch_size,
+        async_scheduling=eng.async_scheduling and config.device == "cuda",  # no overlap to win on a CPU
+    )
+
+
+class CapacityError(ValueError):
+    """The request can never fit in this engine (context window or KV pool)."""
+
+    def __init__(self, message: str, prompt_alone: bool = False) -> None:
+        super().__init__(message)
+        self.prompt_alone = prompt_alone  # the prompt leaves no room for even one token
+

@@ -1,0 +1,236 @@
+"""Packs a scheduled batch into one model call over the paged KV cache.
+
+All scheduled tokens of all sequences go into a single `[1, T]` row (decodes first,
+then prefill chunks) with their true position ids; `logits_to_keep` limits the LM head
+to the one position per sequence that samples this step.
+
+A step that feeds image placeholder positions (vision-language models) is fed as
+`inputs_embeds`: the text embeddings of all its tokens, with those positions overwritten
+by the sequences' precomputed image features. Every other step feeds `input_ids`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from workers.engine.batch import PromptLogitRows, ScheduledChunk
+from workers.engine.sequence import Sequence
+from workers.model.attention import AttentionMetadata, PrefillSpan
+from workers.model.kv_cache import PagedKVCache
+from workers.model.multimodal import ImageFeatures, ImageInputs, encode_images
+
+if TYPE_CHECKING:
+    from workers.model.cuda_graphs import DecodeGraphs
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T]
+    logits_indices: torch.Tensor  # [S + prompt rows]
+    attn_metadata: AttentionMetadata
+    prompt_rows: list[PromptLogitRows]
+    image_indices: torch.Tensor | None = None  # [I] packed positions fed by image features
+    image_embeds: torch.Tensor | None = None  # [I, hidden]
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device,
+                 triton_decode: bool = False) -> None:
+        """`triton_decode`: decode rows use the paged Triton kernel (CUDA) instead of a
+        masked SDPA over a padded gather."""
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        self.device = device
+        self.triton_decode = triton_decode
+        self.decode_graphs: DecodeGraphs | None = None  # set by the engine on CUDA
+
+    @torch.inference_mode()
+    def forward(
+        self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk],
+        decode_token_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, list[PromptLogitRows]]:
+        """Run one step. Returns float32 logits: first one row per sampling chunk (decodes
+        first), then the prompt-logprob rows described by the returned list. The logits
+        may be a view of a CUDA graph's output buffer: valid until the next step.
+        `decode_token_ids` [D] (on the device): the decode rows' input tokens when they are
+        not on the host yet (async scheduling: the previous step's samples)."""
+        graphs = self.decode_graphs
+        if graphs is not None and not prefills and graphs.fits(len(decodes)) and not _feeds_images(decodes):
+            return graphs.run(decodes, decode_token_ids), []
+        inputs = self.prepare(decodes, prefills, decode_token_ids)
+        if inputs.image_embeds is None:
+            feed = {"input_ids": inputs.input_ids}
+        else:
+            feed = {"inputs_embeds": self._embeds_with_images(inputs)}
+        out = self.model(
+            **feed,
+            position_ids=inputs.position_ids,
+            attn_metadata=inputs.attn_metadata,
+            logits_to_keep=inputs.logits_indices,
+            use_cache=False,
+        )
+        return out.logits[0].float(), inputs.prompt_rows
+
+    def encode_images(self, images: ImageInputs) -> ImageFeatures:
+        return encode_images(self.model, images, self.device)
+
+    def _embeds_with_images(self, inputs: ModelInputs) -> torch.Tensor:
+        index = inputs.image_indices
+        ids = inputs.input_ids.clone()
+        ids[0, index] = 0  # a placeholder id may lie outside the text embedding table
+        embeds = self.model.get_input_embeddings()(ids)
+        embeds[0, index] = inputs.image_embeds.to(embeds.dtype)
+        return embeds
+
+    def prepare(self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk],
+                decode_token_ids: torch.Tensor | None = None) -> ModelInputs:
+        """`decode_token_ids`: see forward()."""
+        token_ids, positions, slots = decode_rows(decodes, self.block_size, decode_token_ids is None)
+        images = _ImageRows()
+        for row, chunk in enumerate(decodes):
+            images.add(chunk.seq, positions[row], 1, row)
+        decode_ctx_lens = [p + 1 for p in positions]
+        pos_parts = [torch.tensor(positions, dtype=torch.long)]
+        slot_parts = [torch.tensor(slots, dtype=torch.long)]
+        logits_indices = list(range(len(decodes)))
+        prompt_indices: list[int] = []
+        prompt_rows: list[PromptLogitRows] = []
+        spans: list[PrefillSpan] = []
+        offset = len(decodes)
+        for chunk in prefills:
+            seq, n = chunk.seq, chunk.num_tokens
+            start = seq.num_computed_tokens
+            images.add(seq, start, n, offset)
+            token_ids.extend(seq.token_ids[start : start + n])
+            all_pos = torch.arange(start + n)
+            all_slots = self._slots(seq.block_table, all_pos)
+            pos_parts.append(all_pos[start:])
+            slot_parts.append(all_slots[start:])
+            spans.append(self._prefill_span(offset, start, n, all_slots))
+            rows = _prompt_logprob_rows(seq, start, n)
+            if rows is not None:
+                prompt_rows.append(rows)
+                prompt_indices.extend(range(offset + rows.first_position - start, offset + rows.first_position - start + rows.count))
+            offset += n
+            if chunk.samples:
+                logits_indices.append(offset - 1)
+        device = self.device
+        metadata = AttentionMetadata(
+            kv_cache=self.kv_cache,
+            slot_mapping=torch.cat(slot_parts).to(device),
+            num_decode_tokens=len(decodes),
+            decode_blocks=None,
+            decode_mask=None,
+            prefills=spans,
+        )
+        self._add_decode_context(metadata, decodes, decode_ctx_lens)
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=device).unsqueeze(0)
+        if decode_token_ids is not None:
+            input_ids[0, : len(decodes)] = decode_token_ids
+        return ModelInputs(
+            input_ids=input_ids,
+            position_ids=torch.cat(pos_parts).to(device).unsqueeze(0),
+            logits_indices=torch.tensor(logits_indices + prompt_indices, dtype=torch.long, device=device),
+            attn_metadata=metadata,
+            prompt_rows=prompt_rows,
+            **images.tensors(device),
+        )
+
+    def _slots(self, block_table: list[int], positions: torch.Tensor) -> torch.Tensor:
+        table = torch.tensor(block_table, dtype=torch.long)
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def _prefill_span(self, offset: int, start: int, n: int, all_slots: torch.Tensor) -> PrefillSpan:
+        if start == 0:
+            return PrefillSpan(offset, offset + n, None, None)
+        # Earlier context is in the cache (chunked prefill or resume): attend to it too.
+        q_pos = torch.arange(start, start + n).unsqueeze(1)
+        k_pos = torch.arange(start + n).unsqueeze(0)
+        mask = (k_pos <= q_pos).to(self.device)
+        return PrefillSpan(offset, offset + n, all_slots.to(self.device), mask)
+
+    def _add_decode_context(self, meta: AttentionMetadata, decodes: list[ScheduledChunk],
+                            ctx_lens: list[int]) -> None:
+        """The decode rows' block tables [D, W] and context lengths [D], and for the SDPA
+        path a context mask [D, 1, 1, W * block_size]."""
+        if not decodes:
+            return
+        tables = decode_block_tables(decodes, ctx_lens, self.block_size)
+        lens = torch.tensor(ctx_lens, dtype=torch.int32)
+        meta.decode_blocks = tables.to(self.device)
+        meta.decode_context_lens = lens.to(self.device)
+        if self.triton_decode:
+            meta.triton_decode = True
+            return
+        width = tables.shape[1] * self.block_size
+        mask = torch.arange(width).unsqueeze(0) < lens.unsqueeze(1)
+        meta.decode_mask = mask.view(len(decodes), 1, 1, width).to(self.device)
+
+
+def decode_rows(decodes: list[ScheduledChunk], block_size: int,
+                with_tokens: bool = True) -> tuple[list[int], list[int], list[int]]:
+    """(input token ids, positions, KV slots) of the decode rows: each feeds the token at
+    its first uncomputed position. `with_tokens` False: the ids are 0, for the caller to
+    fill from the device (async scheduling: they are not on the host yet)."""
+    ids, positions, slots = [], [], []
+    for chunk in decodes:
+        seq = chunk.seq
+        pos = seq.num_computed_tokens
+        ids.append(seq.token_ids[pos] if with_tokens else 0)
+        positions.append(pos)
+        slots.append(seq.block_table[pos // block_size] * block_size + pos % block_size)
+    return ids, positions, slots
+
+
+def decode_block_tables(decodes: list[ScheduledChunk], ctx_lens: list[int], block_size: int,
+                        pad_block: int = 0, rows: int | None = None) -> torch.Tensor:
+    """[rows, W] long: each decode's blocks that hold context (a sequence may own more,
+    reserved ahead), padded with `pad_block`; rows past the decodes are all padding."""
+    tables = [c.seq.block_table[: (n + block_size - 1) // block_size] for c, n in zip(decodes, ctx_lens)]
+    width = max(len(t) for t in tables)
+    padded = [t + [pad_block] * (width - len(t)) for t in tables]
+    padded += [[pad_block] * width] * ((rows or len(decodes)) - len(decodes))
+    return torch.tensor(padded, dtype=torch.long)
+
+
+def _feeds_images(decodes: list[ScheduledChunk]) -> bool:
+    """A decode row at an image placeholder (a prompt's last token) needs the eager path."""
+    for chunk in decodes:
+        features, pos = chunk.seq.image_features, chunk.seq.num_computed_tokens
+        if features is not None and features.rows(pos, pos + 1)[0].numel():
+            return True
+    return False
+
+
+class _ImageRows:
+    """Packed positions of this step that image features feed, and those features."""
+
+    def __init__(self) -> None:
+        self.indices: list[torch.Tensor] = []
+        self.embeds: list[torch.Tensor] = []
+
+    def add(self, seq: Sequence, start: int, n: int, offset: int) -> None:
+        if seq.image_features is None:
+            return
+        positions, embeds = seq.image_features.rows(start, start + n)
+        if positions.numel():
+            self.indices.append(positions - start + offset)
+            self.embeds.append(embeds)
+
+    def tensors(self, device: torch.device) -> dict[str, torch.Tensor]:
+        if not self.indices:
+            return {}
+        return {"image_indices": torch.cat(self.indices).to(device), "image_embeds": torch.cat(self.embeds)}
+
+
+def _prompt_logprob_rows(seq: Sequence, start: int, n: int) -> PromptLogitRows | None:
+    """Positions of this chunk whose logits score a later prompt token, if the request asks."""
+    if seq.params.prompt_logprobs is None or seq.num_output_tokens > 0:
+        return None  # not asked, or a recompute after preemption (already scored)
+    end = min(start + n, seq.num_prompt_tokens - 1)
+    return PromptLogitRows(seq, start, end - start) if end > start else None
