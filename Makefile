@@ -39,7 +39,7 @@ bench: $(STAMP)
 	$(BIN)/python -m tools.bench.load --url http://127.0.0.1:8000 --concurrency 1 16 32 --num-requests 64 --max-tokens 64
 
 # The long fuzz run of docs/RELIABILITY.md: 3000 generated bodies against its own app on
-# the tiny test model (tests/test_fuzz.py runs 400 in CI). FUZZ_ARGS="--config configs/default.yaml"
+# the tiny test model (tests/reliability/test_fuzz.py runs 400 in CI). FUZZ_ARGS="--config configs/default.yaml"
 # fuzzes the real default model instead.
 fuzz: $(STAMP)
 	$(BIN)/python -m tools.reliability.fuzz --requests 3000 --json fuzz-results/fuzz.json $(FUZZ_ARGS)

@@ -30,8 +30,8 @@ class MediaOptions(BaseModel):
         (), description="hostnames or CIDRs exempt from the private-address refusal (tests, private registries)"
     )
     max_image_bytes: int = Field(10 * 1024 * 1024, ge=1, description="cap on one image's encoded bytes")
-    fetch_timeout_s: float = Field(10.0, gt=0, description="cap on one remote fetch, connect to last byte")
-    max_images_per_request: int = Field(8, ge=1)
+    fetch_timeout_s: float = Field(10.0, gt=0, description="cap on one remote fetch, DNS lookup to last byte")
+    max_images_per_request: int = Field(8, ge=1, description="image parts one request may hold; more is a 400")
 
     @field_validator("allowed_hosts")
     @classmethod
@@ -52,9 +52,13 @@ def _is_network(text: str) -> bool:
 
 class ServerOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    full_text_enabled: bool = Field(False, description="MindIE fullTextEnabled: deltas carry the whole text")
-    max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024)
-    # API keys (serve_app/auth.py). Neither set: no auth. Either set: every route but
+    full_text_enabled: bool = Field(
+        False, description="MindIE fullTextEnabled, /v1/chat/completions streams: each delta carries the whole "
+        "text so far, and the last chunk adds full_text and usage")
+    max_request_bytes: int = Field(
+        4 * 1024 * 1024, ge=1024, description="cap on a request body; a larger one is a 413 (checked from "
+        "Content-Length, or while a chunked body streams in)")
+    # API keys (serve_app/http/auth.py). Neither set: no auth. Either set: every route but
     # GET /health needs `Authorization: Bearer <key>`, and the ingress refuses to start
     # if they yield no key. Both are read in the ingress replica, not where `serve run` runs.
     api_keys_env: str | None = Field(
@@ -64,14 +68,16 @@ class ServerOptions(BaseModel):
     api_keys_file: str | None = Field(
         None, min_length=1, description="path of a file with one API key per line; lines starting with '#' are comments"
     )
-    media: MediaOptions = MediaOptions()
+    media: MediaOptions = Field(MediaOptions(), description="where images in chat messages may come from")
 
 
 class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    models: list[ModelConfig] = Field(min_length=1)
-    ingress: DeploymentConfig = DeploymentConfig(max_ongoing_requests=1024)
-    server: ServerOptions = ServerOptions()
+    models: list[ModelConfig] = Field(
+        min_length=1, description="the served models, one worker deployment each; ids must be unique")
+    ingress: DeploymentConfig = Field(
+        DeploymentConfig(max_ongoing_requests=1024), description="Ray Serve options of the ingress deployment")
+    server: ServerOptions = Field(ServerOptions(), description="HTTP-side options: body size, API keys, images")
 
     @field_validator("models")
     @classmethod

@@ -12,7 +12,7 @@
 # with AMX, else float32): transformers serve gets it as --dtype.
 # Writes bench-results/{chatserve,transformers,engine}.json. Loopback only; bounded loops.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 BIN=${BIN:-.venv/bin}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # Ray workers import this checkout
 LEVELS=${*:-1 16 32 64}

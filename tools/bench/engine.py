@@ -186,7 +186,7 @@ def run_packing(args, loaded) -> None:
 
 def run_fusion(args, loaded) -> None:
     """Raw decode step with separate q/k/v and gate/up projections against fused ones
-    (workers/fused_projections.py), both packed as the loader would, alternating."""
+    (workers/model/fused_projections.py), both packed as the loader would, alternating."""
     model = loaded.model
     model.set_attn_implementation("sdpa")
     fused = copy.deepcopy(model)
@@ -427,7 +427,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--source", default="builtin:smollm2-135m-instruct")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="as the model config's dtype (auto: workers/model_loader.py picks)")
+                        help="as the model config's dtype (auto: workers/model/loader.py picks)")
     parser.add_argument("--no-pack", action="store_true", help="CPU: plain torch linear layers, as transformers "
                         "runs them (default: oneDNN-packed weights where the worker would pack them)")
     parser.add_argument("--no-fuse", action="store_true", help="separate q/k/v and gate/up projections, as "
@@ -468,7 +468,7 @@ def main(argv: list[str] | None = None) -> None:
     fair.add_argument("--prefill-cap", type=int, default=None,
                       help="max_prefill_tokens_while_decoding (default: none, the whole budget)")
     args = parser.parse_args(argv)
-    keep_freed_memory()  # as the CPU worker does (workers/host_memory.py)
+    keep_freed_memory()  # as the CPU worker does (workers/serving/host_memory.py)
     if args.command == "worker":
         asyncio.run(run_worker(args))  # loads the model on the engine thread itself
         return

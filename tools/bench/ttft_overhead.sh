@@ -4,7 +4,7 @@
 # `serve run configs/default.yaml` + HTTP, then straight into LLMEngine.step().
 # Usage: tools/bench/ttft_overhead.sh [requests]   Env: BIN (.venv/bin).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 BIN=${BIN:-.venv/bin}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # Ray workers import this checkout
 N=${1:-40}

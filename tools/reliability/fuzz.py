@@ -4,7 +4,7 @@ chatserve app it starts on loopback, then the figures of docs/RELIABILITY.md.
     python -m tools.reliability.fuzz --requests 3000 --json fuzz-results/fuzz.json
     python -m tools.reliability.fuzz --config configs/default.yaml   # the real default model
 
-Bodies: tests/fuzz_bodies.py; checks: tests/fuzz_harness.py. Exits 1 when any answer
+Bodies: tools/reliability/fuzz_bodies.py; checks: tools/reliability/fuzz_harness.py. Exits 1 when any answer
 was a problem (5xx, malformed), a replica restarted, or the engine kept sequences or
 KV blocks afterwards.
 """

@@ -1,4 +1,4 @@
-"""Send fuzz cases (tests/fuzz_bodies.py) to a running chatserve and judge the answers.
+"""Send fuzz cases (tools/reliability/fuzz_bodies.py) to a running chatserve and judge the answers.
 
 An answer is a problem when it is a 5xx, a 4xx without an OpenAI-shaped error body, a
 200 that is not a well-formed completion (JSON) or stream (SSE ending in `data: [DONE]`,

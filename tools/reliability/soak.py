@@ -11,7 +11,7 @@ or `lost` (connection error, timeout, malformed body or stream: the target is 0)
 
 Before the load and after it (once the worker is idle again) the worker is probed:
 running / waiting sequences, KV blocks in use and the replica's RSS (its `stats`). A freed block stays
-in the prefix cache but sits in the free pool (workers/block_manager.py), so "in use"
+in the prefix cache but sits in the free pool (workers/engine/block_manager.py), so "in use"
 means referenced by a live sequence: the baseline of an idle worker is 0 in use, and a
 soak that ends above it has leaked a sequence.
 """

@@ -15,7 +15,8 @@ class _Strict(BaseModel):
 
 
 class EngineConfig(_Strict):
-    block_size: int = Field(16, ge=1, le=1024)
+    block_size: int = Field(
+        16, ge=1, le=1024, description="token slots per KV-cache block (the unit of paging and prefix caching)")
     kv_cache_memory_gib: float | None = Field(
         None, gt=0, description="KV pool size; default: 1 GiB on cpu, on cuda sized from free memory after a warm-up"
     )
@@ -23,8 +24,10 @@ class EngineConfig(_Strict):
         0.9, gt=0, le=1, description="cuda only: share of the GPU's memory for weights, activations and the KV pool"
     )
     enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of prompt prefixes seen before")
-    max_num_seqs: int = Field(64, ge=1)
-    max_num_batched_tokens: int = Field(2048, ge=1)
+    max_num_seqs: int = Field(64, ge=1, description="sequences the scheduler admits to the running batch at most")
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, description="tokens one model step may compute (decodes plus prompt chunks); a longer prompt is "
+        "prefilled in chunks")
     max_prefill_tokens_while_decoding: int | None = Field(
         None, ge=1, description="prompt tokens a step may take beside running decodes (fairness); default: the budget")
     max_model_len: int | None = Field(None, ge=16, description="default: the model's own window")
@@ -44,24 +47,31 @@ class EngineConfig(_Strict):
 
 
 class AutoscalingConfig(_Strict):
-    min_replicas: int = Field(1, ge=0)
-    max_replicas: int = Field(1, ge=1)
-    target_ongoing_requests: float = Field(32, gt=0)
-    upscale_delay_s: float = Field(5, ge=0)
-    downscale_delay_s: float = Field(30, ge=0)
-    metrics_interval_s: float = Field(10, gt=0)
-    look_back_period_s: float = Field(30, gt=0)
+    min_replicas: int = Field(1, ge=0, description="fewest replicas Serve keeps")
+    max_replicas: int = Field(1, ge=1, description="most replicas Serve starts")
+    target_ongoing_requests: float = Field(
+        32, gt=0, description="ongoing requests per replica that Serve scales towards")
+    upscale_delay_s: float = Field(
+        5, ge=0, description="how long the load must stay above target before adding replicas")
+    downscale_delay_s: float = Field(
+        30, ge=0, description="how long the load must stay below target before removing replicas")
+    metrics_interval_s: float = Field(10, gt=0, description="how often replicas report their load")
+    look_back_period_s: float = Field(30, gt=0, description="window the reported load is averaged over")
 
 
 class DeploymentConfig(_Strict):
     """Ray Serve deployment options for one deployment."""
 
-    num_replicas: int = Field(1, ge=1)
-    max_ongoing_requests: int = Field(256, ge=1)
-    max_queued_requests: int = Field(-1, ge=-1)
+    num_replicas: int = Field(1, ge=1, description="fixed replica count; ignored when autoscaling_config is set")
+    max_ongoing_requests: int = Field(256, ge=1, description="requests one replica runs at once (Serve's limit)")
+    max_queued_requests: int = Field(
+        -1, ge=-1, description="requests a caller may queue for the deployment beyond that; more get a 503 with "
+        "Retry-After; -1: no bound")
     graceful_shutdown_timeout_s: float = Field(30, ge=0, description="in-flight requests may finish this long")
-    autoscaling_config: AutoscalingConfig | None = None
-    ray_actor_options: dict[str, Any] = Field(default_factory=dict)
+    autoscaling_config: AutoscalingConfig | None = Field(
+        None, description="Serve autoscaling between min_replicas and max_replicas; unset: num_replicas")
+    ray_actor_options: dict[str, Any] = Field(
+        default_factory=dict, description="passed to Ray as given: num_cpus, num_gpus, runtime_env, ...")
 
     def serve_options(self) -> dict[str, Any]:
         options: dict[str, Any] = {
@@ -83,7 +93,8 @@ class ModelConfig(_Strict):
         BUILTIN_DEFAULT_MODEL,
         description="a transformers model directory, a .gguf file, or " + BUILTIN_DEFAULT_MODEL,
     )
-    device: Literal["cpu", "cuda"] = "cpu"
+    device: Literal["cpu", "cuda"] = Field(
+        "cpu", description="where the model runs; cuda needs deployment.ray_actor_options.num_gpus > 0")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto: bfloat16 on CPUs with AMX, else float32; the checkpoint's own on CUDA")
     pack_cpu_weights: bool = Field(
@@ -92,16 +103,19 @@ class ModelConfig(_Strict):
     fuse_projections: bool = Field(
         True, description="run each layer's q/k/v projections, and its gate/up projections, as one matrix "
         "multiply each (fewer, wider weight passes)")
-    engine: EngineConfig = EngineConfig()
-    deployment: DeploymentConfig = DeploymentConfig()
-    cache_dir: str | None = Field(None, description="where converted models are kept")
+    engine: EngineConfig = Field(EngineConfig(), description="the continuous-batching engine's limits and options")
+    deployment: DeploymentConfig = Field(
+        DeploymentConfig(), description="Ray Serve options of the model's worker deployment")
+    cache_dir: str | None = Field(
+        None, description="where GGUF models converted to safetensors are kept; default: $CHATSERVE_CACHE, else "
+        "~/.cache/chatserve")
     max_image_pixels: int = Field(
         4096 * 4096, ge=1, description="vision models: a larger image (width x height, read from its header) is a 400"
     )
     tool_call_parser: Literal["hermes", "llama3_json"] = Field(
-        "hermes", description="the format the model writes tool calls in (serve_app/tool_parsers.py)")
+        "hermes", description="the format the model writes tool calls in (serve_app/output/tool_parsers.py)")
     reasoning_parser: Literal["deepseek_r1"] | None = Field(
-        None, description="split <think>...</think> into reasoning_content on /v1 (serve_app/reasoning.py)")
+        None, description="split `<think>...</think>` into reasoning_content on /v1 (serve_app/output/reasoning.py)")
 
     @model_validator(mode="after")
     def _gpu_needs_gpu(self) -> "ModelConfig":
