@@ -125,10 +125,9 @@ def test_bfloat16_graph_logits_match_eager():
 
 
 def test_deployment_path_captures_graphs(tmp_path):
-    pytest.importorskip("ray")  # workers.serving.deployment is a Serve deployment module
     from tests.support.tiny_models import write_tiny_model_dir
     from workers.contract.model_config import ModelConfig
-    from workers.serving.deployment import build_engine
+    from workers.serving.engine_build import build_engine
 
     model_dir = write_tiny_model_dir(tmp_path / "tiny")
     config = ModelConfig(id="tiny", source=str(model_dir), device="cuda", dtype="float32",

@@ -1,5 +1,6 @@
-"""Engine test helpers: a tiny engine, running it to completion, transformers' greedy reference,
-the engine behind asyncio, and the tiny model's chat template by hand."""
+"""Engine test helpers: a tiny engine, prompts of several lengths, running it to completion,
+transformers' greedy reference, the engine behind asyncio, and the tiny model's chat
+template by hand."""
 
 from __future__ import annotations
 
@@ -16,6 +17,21 @@ from workers.model.kv_cache import KVCacheShape
 from workers.serving.async_engine import AsyncEngine
 
 CPU = torch.device("cpu")
+
+PROMPT_TEXTS = [
+    "Hello",
+    "The quick brown fox jumps over the lazy dog.",
+    "Paris is the capital of France. Berlin is the capital of Germany. Rome is",
+    "def add(a, b):\n    return",
+    "Unicode: café naïve 你好 世界 😀 — emoji and accents, numbers 0 1 2 3 4 5 6 7 8 9",
+]
+
+
+def prompt_ids(tokenizer) -> list[list[int]]:
+    """PROMPT_TEXTS tokenized: five prompts of different lengths."""
+    ids = [tokenizer(t)["input_ids"] for t in PROMPT_TEXTS]
+    assert len({len(p) for p in ids}) == len(ids)  # all different lengths
+    return ids
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:
@@ -71,10 +87,10 @@ def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
     return _REFERENCE[key]
 
 
-async def wait_idle(engine: LLMEngine, timeout: float = 5.0) -> None:
+async def wait_idle(engine: LLMEngine | AsyncEngine, timeout: float = 5.0) -> None:
     """Aborts reach the engine thread through its command queue: give it a moment."""
     deadline = time.monotonic() + timeout
-    while (engine.blocks.num_used_blocks or engine.num_active) and time.monotonic() < deadline:
+    while ((stats := engine.stats()).kv_blocks_used or stats.active_requests) and time.monotonic() < deadline:
         await asyncio.sleep(0.005)
 
 

@@ -153,7 +153,7 @@ def engine_decode_ms(engine: LLMEngine, prompts: list[list[int]], steps: int = 2
 
 def _replay_ms(engine: LLMEngine, batch: int, reps: int) -> float | None:
     """Replays of the graph the last step ran (same inputs: it rewrites the same slots)."""
-    graphs = engine.runner.decode_graphs
+    graphs = engine.decode_graphs
     if graphs is None or not graphs.fits(batch):
         return None
     graph = graphs.graphs[next(s for s in graphs.sizes if s >= batch)]
@@ -240,7 +240,7 @@ def run_shape(shape: str, load: Load, device: torch.device, dtype: torch.dtype, 
         print(decode.profile, flush=True)
     decode_eager_ms = None
     if device.type == "cuda" and cuda_graphs:
-        engine.runner.decode_graphs = None  # same engine and cache, eager steps
+        engine.drop_decode_graphs()  # same engine and cache, eager steps
         decode_eager_ms = engine_decode_ms(engine, random_prompts(load, vocab, load.decode_batch)).step_ms
     del engine
     _free(device)

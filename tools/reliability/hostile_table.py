@@ -29,6 +29,8 @@ def main() -> int:
     from ray import serve
 
     from serve_app.app import build_app
+    from tests.reliability.test_hostile_inputs import CASES, LIMIT
+    from tests.serve.test_vision_serve import BAD_IMAGES, PNG, VLM_ID
     from tests.support.serve_fixtures import (
         TINY_MODEL_ID,
         free_port,
@@ -38,8 +40,6 @@ def main() -> int:
     )
     from tests.support.tiny_models import write_tiny_model_dir
     from tests.support.tiny_vlm import write_tiny_vlm_dir
-    from tests.reliability.test_hostile_inputs import CASES, LIMIT
-    from tests.serve.test_vision_serve import BAD_IMAGES, PNG, VLM_ID
 
     root = Path(tempfile.mkdtemp(prefix="chatserve-hostile-"))
     media = root / "media"

@@ -1,12 +1,16 @@
-"""What a step hands out: one `TokenEvent` per sampled token of a request's choice."""
+"""What a step hands out: one `TokenEvent` per sampled token of a request's choice, and
+how a step's sampled tokens become events."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
-from workers.engine.sequence import FinishReason
+from workers.engine.sequence import FinishReason, Sequence
 
 TopList = list[tuple[int, float]]
+StepResult = tuple[Sequence, int, "FinishReason | None"]  # (choice, sampled token, why it ended)
+LiveRequests = dict[int, list[Sequence]]  # request id -> its live choices
 
 
 @dataclass(frozen=True)
@@ -30,3 +34,42 @@ class TokenEvent:
     queue_time: float | None = None  # seconds waiting before the first step; on the first event
     cached_tokens: int | None = None  # prompt tokens found in the prefix cache; on the first event
 
+
+def token_events(results: list[StepResult], logprobs: dict[int, tuple[float, TopList]],
+                 requests: LiveRequests) -> list[TokenEvent]:
+    """The events of a step's sampled tokens (`logprobs` by row, when asked). A choice that
+    ended leaves `requests` first, so its request's last choice says the request finished."""
+    now = time.perf_counter()
+    events = []
+    for row, (seq, token, reason) in enumerate(results):
+        if reason is not None:
+            _retire(requests, seq)
+        lp, top = logprobs.get(row, (None, None))
+        first_token = seq.num_output_tokens == 1 and seq.index == 0
+        first = first_token and seq.params.prompt_logprobs is not None
+        events.append(
+            TokenEvent(
+                request_id=seq.request_id,
+                index=seq.index,
+                token_id=token,
+                finish_reason=reason,
+                stop_token_id=seq.stop_token_id,
+                time=now,
+                logprob=lp,
+                top_logprobs=top,
+                prompt_logprobs=list(seq.prompt_logprobs) if first else None,
+                request_finished=reason is not None and seq.request_id not in requests,
+                queue_time=seq.queue_time if first_token else None,
+                cached_tokens=seq.num_cached_tokens if first_token else None,
+            )
+        )
+    return events
+
+
+def _retire(requests: LiveRequests, seq: Sequence) -> None:
+    group = requests.get(seq.request_id)
+    if group is None:
+        return
+    group.remove(seq)
+    if not group:
+        del requests[seq.request_id]

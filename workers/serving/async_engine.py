@@ -18,7 +18,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from workers.contract.sampling_params import SamplingParams
+from workers.engine.engine_info import EngineDescription, EngineStats
 from workers.engine.events import TokenEvent
+from workers.engine.limits import EngineLimits
 from workers.engine.llm_engine import LLMEngine
 from workers.model.multimodal import ImageInputs
 from workers.sampling.guided import GuideState
@@ -82,7 +84,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, thread: threading.Thread | None = None) -> None:
         """`thread`: the (already running) thread that built `engine` and will run it; see
         `start_on_own_thread`. Without it, `start` runs the engine on a new thread."""
-        self.engine = engine
+        self._engine = engine  # touched by the engine thread only, except its thread-safe reads below
         self._loop: asyncio.AbstractEventLoop | None = None
         self._commands: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -139,6 +141,25 @@ class AsyncEngine:
         started = self._step_started
         return 0.0 if started is None else time.monotonic() - started
 
+    @property
+    def limits(self) -> EngineLimits:
+        return self._engine.limits
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise CapacityError if the request can never run here (see LLMEngine.check_request)."""
+        self._engine.check_request(prompt_token_ids, params)
+
+    def compile_guide(self, params: SamplingParams) -> GuideState | None:
+        """The grammar state for a guided request, compiled on the caller's thread (see
+        LLMEngine.compile_guide)."""
+        return self._engine.compile_guide(params)
+
+    def stats(self) -> EngineStats:
+        return self._engine.stats()
+
+    def describe(self) -> EngineDescription:
+        return self._engine.describe()
+
     def add_request(
         self, prompt_token_ids: list[int], params: SamplingParams, guide: GuideState | None = None, *,
         images: ImageInputs | None = None,
@@ -148,9 +169,9 @@ class AsyncEngine:
         grammar is compiled here, on the caller's thread, unless `guide` is given."""
         if not self.alive:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
-        self.engine.check_request(prompt_token_ids, params)
+        self.check_request(prompt_token_ids, params)
         if guide is None:
-            guide = self.engine.compile_guide(params)
+            guide = self.compile_guide(params)
         stream = RequestStream()
         self._commands.put(_Add(prompt_token_ids, params, stream, guide, images))
         self._wake.set()
@@ -171,12 +192,12 @@ class AsyncEngine:
         try:
             while not self._stopped:
                 self._drain_commands()
-                if not self.engine.has_work():
+                if not self._engine.has_work():
                     self._wake.wait()
                     self._wake.clear()
                     continue
                 self._step_started = time.monotonic()
-                events = self.engine.step()
+                events = self._engine.step()
                 self._step_started = None
                 self.steps += 1
                 if events:
@@ -216,15 +237,15 @@ class AsyncEngine:
                 return
             if isinstance(cmd, _Add):
                 try:
-                    request_id = self.engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.guide,
-                                                         images=cmd.images)
+                    request_id = self._engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.guide,
+                                                          images=cmd.images)
                 except Exception as exc:  # noqa: BLE001 - fails this request only
                     self._loop.call_soon_threadsafe(_deliver, [(cmd.stream, exc)])
                     continue
                 cmd.stream.request_id = request_id
                 self._streams[request_id] = cmd.stream
             elif cmd.stream.request_id is not None:
-                self.engine.abort_request(cmd.stream.request_id)
+                self._engine.abort_request(cmd.stream.request_id)
                 self._streams.pop(cmd.stream.request_id, None)
 
 

@@ -6,9 +6,7 @@ import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator
-from pathlib import Path
 
-import torch
 from ray import serve
 
 from workers.contract.chunks import GenerationChunk
@@ -16,25 +14,15 @@ from workers.contract.model_config import ModelConfig
 from workers.contract.requests import GenerateRequest
 from workers.contract.serve_logs import route_to_serve_log
 from workers.contract.worker_info import ModelInfo, WorkerStats
-from workers.engine.kv_sizing import sized_engine_limits
 from workers.engine.llm_engine import LLMEngine
-from workers.model.attention import register_paged_attention
 from workers.model.cpu_linear import PackedLinear
 from workers.model.fused_projections import FusedProjection
-from workers.model.loader import LoadedModel, load_model
+from workers.model.loader import LoadedModel
 from workers.serving.async_engine import AsyncEngine
-from workers.serving.host_memory import keep_freed_memory
+from workers.serving.engine_build import build_engine, vision_prompts
 from workers.serving.request_processor import RequestProcessor, Timeouts
-from workers.text.vision_prompts import VisionPromptBuilder
 
 logger = logging.getLogger(__name__)
-
-
-def _set_torch_threads(config: ModelConfig) -> None:
-    # Ray sets OMP_NUM_THREADS=1 inside actors; on CPU that would halve throughput.
-    if config.device == "cpu":
-        threads = config.engine.torch_threads or os.cpu_count() or 1
-        torch.set_num_threads(threads)
 
 
 def _resident_bytes() -> int:
@@ -43,39 +31,6 @@ def _resident_bytes() -> int:
             return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
-
-
-def build_engine(config: ModelConfig) -> tuple[LLMEngine, LoadedModel]:
-    """Load the model and build its engine. Call it on the thread that will run the engine
-    (AsyncEngine.start_on_own_thread says why)."""
-    _set_torch_threads(config)
-    if config.device == "cpu":
-        keep_freed_memory()
-    attn = register_paged_attention()
-    cache_dir = Path(config.cache_dir) if config.cache_dir else None
-    loaded = load_model(config.source, config.device, config.dtype, cache_dir, attn_implementation=attn,
-                        pack_cpu_weights=config.pack_cpu_weights, fuse_projections=config.fuse_projections)
-    device = torch.device(config.device)
-    limits = sized_engine_limits(config, loaded.model, device)
-    eos = _eos_token_ids(loaded)
-    return LLMEngine(loaded.model, eos, limits, device, tokenizer=loaded.tokenizer), loaded
-
-
-def _vision_prompts(loaded: LoadedModel, config: ModelConfig) -> VisionPromptBuilder | None:
-    if loaded.processor is None:
-        return None
-    return VisionPromptBuilder(loaded.processor, loaded.image_token_id, config.max_image_pixels)
-
-
-def _eos_token_ids(loaded) -> frozenset[int]:
-    ids: set[int] = set()
-    for source in (loaded.model.generation_config, loaded.model.config, loaded.tokenizer):
-        value = getattr(source, "eos_token_id", None)
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(v for v in value if isinstance(v, int))
-    return frozenset(ids)
 
 
 @serve.deployment(name="ModelWorker", health_check_period_s=10, health_check_timeout_s=30)
@@ -92,10 +47,12 @@ class ModelWorker:
 
         self.engine = AsyncEngine.start_on_own_thread(build, asyncio.get_running_loop())
         loaded = models[0]
+        modules = list(loaded.model.modules())
+        self._packed_linear_layers = sum(isinstance(m, PackedLinear) for m in modules)
+        self._fused_projections = sum(isinstance(m, FusedProjection) for m in modules)
         engine_config = self.config.engine
         timeouts = Timeouts(engine_config.first_token_timeout_s, engine_config.request_timeout_s)
-        vision = _vision_prompts(loaded, self.config)
-        self.processor = RequestProcessor(self.engine, loaded.tokenizer, timeouts, vision,
+        self.processor = RequestProcessor(self.engine, loaded.tokenizer, timeouts, vision_prompts(loaded, self.config),
                                           stream_interval=engine_config.stream_interval)
         logger.info("model %s ready: %s", self.config.id, self.info())
 
@@ -104,32 +61,32 @@ class ModelWorker:
             yield chunk
 
     def info(self) -> ModelInfo:
-        core = self.engine.engine
+        engine = self.engine.describe()
         return ModelInfo(
             id=self.config.id,
-            max_model_len=core.limits.max_model_len,
-            vocab_size=core.vocab_size,
-            kv_cache_blocks=core.blocks.num_blocks,
-            block_size=core.blocks.block_size,
+            max_model_len=engine.max_model_len,
+            vocab_size=engine.vocab_size,
+            kv_cache_blocks=engine.num_blocks,
+            block_size=engine.block_size,
             accepts_images=self.processor.vision is not None,
-            dtype=str(core.runner.model.dtype).removeprefix("torch."),
-            packed_linear_layers=sum(isinstance(m, PackedLinear) for m in core.runner.model.modules()),
-            fused_projections=sum(isinstance(m, FusedProjection) for m in core.runner.model.modules()),
-            decode_attention="triton" if core.runner.triton_decode else "sdpa",
-            cuda_graph_max_batch=core.runner.decode_graphs.max_batch if core.runner.decode_graphs else 0,
+            dtype=engine.dtype,
+            packed_linear_layers=self._packed_linear_layers,
+            fused_projections=self._fused_projections,
+            decode_attention=engine.decode_attention,
+            cuda_graph_max_batch=engine.cuda_graph_max_batch,
         )
 
     def stats(self) -> WorkerStats:
-        core = self.engine.engine
+        engine = self.engine.stats()
         return WorkerStats(
-            active_requests=core.num_active,
-            waiting=len(core.scheduler.waiting),
-            running=len(core.scheduler.running),
-            kv_blocks_used=core.blocks.num_used_blocks,
-            kv_blocks_total=core.blocks.num_blocks,
+            active_requests=engine.active_requests,
+            waiting=engine.waiting,
+            running=engine.running,
+            kv_blocks_used=engine.kv_blocks_used,
+            kv_blocks_total=engine.kv_blocks_total,
             engine_steps=self.engine.steps,
-            prefix_cache_query_tokens=core.blocks.query_tokens,
-            prefix_cache_hit_tokens=core.blocks.hit_tokens,
+            prefix_cache_query_tokens=engine.prefix_cache_query_tokens,
+            prefix_cache_hit_tokens=engine.prefix_cache_hit_tokens,
             pid=os.getpid(),
             rss_bytes=_resident_bytes(),
         )

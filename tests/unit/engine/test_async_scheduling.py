@@ -108,7 +108,7 @@ def test_abort_and_arrivals_while_a_step_is_in_flight(paged_model, tiny_model):
         if not engine.has_work():
             break
         if step == 6:
-            assert engine._in_flight is not None  # the pipeline is running
+            assert engine.overlap.in_flight is not None  # the pipeline is running
             engine.abort_request(ids[1])
             late = [engine.add_request(p, greedy) for p in prompts[4:]]
         for ev in engine.step():

@@ -172,7 +172,7 @@ def test_worker_reports_its_dtype_and_packing(tiny_model_dir, monkeypatch, dtype
     async def body():
         worker = ModelWorker.func_or_class(config)
         try:
-            assert not worker.engine.engine.limits.async_scheduling  # nothing to overlap on a CPU
+            assert not worker.engine.limits.async_scheduling  # nothing to overlap on a CPU
             return worker.info(), worker.processor.stream_interval
         finally:
             worker.engine.stop()

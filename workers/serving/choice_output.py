@@ -1,0 +1,125 @@
+"""One choice of a request on its way out: its tokens become text (detokenized, cut at a
+stop string), timings and logprobs, one `GenerationChunk` per batch of its events."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from workers.contract.chunks import GenerationChunk, TokenLogprob, TopLogprob
+from workers.contract.sampling_params import SamplingParams
+from workers.engine.events import TokenEvent
+from workers.engine.sequence import FinishReason
+from workers.text.detokenizer import IncrementalDetokenizer
+from workers.text.stop_strings import StopStringMatcher
+
+
+@dataclass
+class Usage:
+    """Token counts of a whole request, shared by its choices."""
+
+    prompt_tokens: int
+    completion_tokens: int = 0  # all choices
+    cached_tokens: int | None = None  # known once the request's first step ran
+
+
+class ChoiceOutput:
+    """Detokenizer, stop matcher, timings and logprobs of one choice of a request."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int], params: SamplingParams, arrival: float,
+                 reasoning_open: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.reasoning_open = reasoning_open
+        self.params = params
+        self.prompt_ids = prompt_ids
+        self.num_tokens = 0
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+        self.stops = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+        self.last_time = arrival
+        self.finished = False
+
+    def chunk(self, index: int, events: list[TokenEvent], usage: Usage) -> GenerationChunk:
+        """The chunk of this choice (number `index`) for its events of one batch."""
+        chunk = self.consume(events, usage)
+        chunk.index = index
+        if chunk.prompt_logprobs is None and events[0].prompt_logprobs is not None:
+            chunk.prompt_logprobs = self._prompt_logprobs(events[0].prompt_logprobs)
+        return chunk
+
+    def consume(self, events: list[TokenEvent], usage: Usage) -> GenerationChunk:
+        chunk = GenerationChunk(prompt_tokens=usage.prompt_tokens, reasoning_open=self.reasoning_open)
+        if self.params.logprobs is not None:
+            chunk.logprobs = []
+        texts: list[str] = []
+        for event in events:
+            if event.queue_time is not None:
+                chunk.queue_time_ms = event.queue_time * 1000.0
+            if event.cached_tokens is not None:
+                usage.cached_tokens = event.cached_tokens
+            chunk.cached_tokens = usage.cached_tokens
+            if event.beam_token_ids is not None:
+                return self._whole_beam(chunk, event, usage)
+            self._time(chunk, event.time)
+            self.num_tokens += 1
+            usage.completion_tokens += 1
+            chunk.token_ids.append(event.token_id)
+            if self._shows_token(event):
+                # Stop strings only count once min_tokens are out (as vLLM).
+                armed = self.num_tokens >= self.params.min_tokens
+                texts.append(self.stops.push(self.detok.push(event.token_id), armed))
+            if chunk.logprobs is not None and event.logprob is not None:
+                chunk.logprobs.append(self._token_logprob(event))
+            if self.stops.matched is not None:
+                chunk.finish_reason, chunk.stop_reason = FinishReason.STOP.value, self.stops.matched
+                break
+            if event.finish_reason is not None:
+                texts.append(self.stops.flush())
+                chunk.finish_reason = event.finish_reason.value
+                chunk.stop_reason = event.stop_token_id
+                break
+        self.finished = chunk.finish_reason is not None
+        chunk.text = "".join(texts)
+        chunk.completion_tokens = usage.completion_tokens
+        return chunk
+
+    def _whole_beam(self, chunk: GenerationChunk, event: TokenEvent, usage: Usage) -> GenerationChunk:
+        """Beam search returns each finished beam at once: its text, cut at a stop string."""
+        self._time(chunk, event.time)
+        ids = event.beam_token_ids
+        self.num_tokens = len(ids)
+        usage.completion_tokens += len(ids)
+        chunk.token_ids = list(ids)
+        text = self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
+        chunk.text = self.stops.push(text) + (self.stops.flush() if self.stops.matched is None else "")
+        chunk.finish_reason = FinishReason.STOP.value if self.stops.matched else event.finish_reason.value
+        chunk.stop_reason = self.stops.matched
+        chunk.completion_tokens = usage.completion_tokens
+        self.finished = True
+        return chunk
+
+    def _token_logprob(self, event: TokenEvent) -> TokenLogprob:
+        decode = self.tokenizer.decode
+        top = [TopLogprob(decode([tid]), tid, lp) for tid, lp in event.top_logprobs or []]
+        return TokenLogprob(decode([event.token_id]), event.token_id, event.logprob, top)
+
+    def _prompt_logprobs(self, scored) -> list[dict[int, TopLogprob] | None]:
+        decode = self.tokenizer.decode
+        out: list[dict[int, TopLogprob] | None] = [None]  # the first prompt token has no context
+        for token_id, logprob, top in scored:
+            entry = {tid: TopLogprob(decode([tid]), tid, lp) for tid, lp in top}
+            entry[token_id] = TopLogprob(decode([token_id]), token_id, logprob)
+            out.append(entry)
+        return out
+
+    def _shows_token(self, event: TokenEvent) -> bool:
+        """The EOS or stop token that ends a request is not part of its text."""
+        if event.finish_reason is not FinishReason.STOP:
+            return True
+        return event.stop_token_id is not None and self.params.include_stop_str_in_output
+
+    def _time(self, chunk: GenerationChunk, when: float) -> None:
+        elapsed_ms = (when - self.last_time) * 1000.0
+        if self.num_tokens == 0:
+            chunk.prefill_time_ms = elapsed_ms
+        else:
+            chunk.decode_times_ms.append(elapsed_ms)
+        self.last_time = when
