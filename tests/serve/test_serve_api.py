@@ -236,12 +236,12 @@ def test_cached_tokens_in_usage_for_a_repeated_prefix(client, tiny_app):
 
 
 def test_worker_calls_go_over_grpc_by_value(tiny_app):
-    """The ingress reaches workers over Serve's gRPC channel (ingress.over_grpc; faster per
+    """The ingress reaches workers over Serve's gRPC channel (worker_call.over_grpc; faster per
     streamed chunk than Ray object refs, docs/BENCHMARKS.md) and the chunks arrive whole."""
     from ray import serve
 
     from serve_app.app import worker_deployment_name
-    from serve_app.ingress import over_grpc
+    from serve_app.worker_call import over_grpc
     from workers.contract.chunks import GenerationChunk
     from workers.contract.requests import GenerateRequest
     from workers.contract.sampling_params import SamplingParams
