@@ -13,6 +13,7 @@ text) or an accumulator (`add(chunk)`, `result()`).
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -127,29 +128,34 @@ async def relay(items: AsyncIterator[Item], call: WorkerCall, record: RequestRec
 
 
 class _GuardedStream:
-    """The worker call; if the worker fails mid-request (replica died, RPC error), the
-    request ends with an error chunk (503, retryable) instead of a broken connection."""
+    """The worker call's chunks one by one (a worker message holds a list: everything that
+    was pending for the request when the worker sent it). If the worker fails mid-request
+    (replica died, RPC error), the request ends with an error chunk (503, retryable)
+    instead of a broken connection."""
 
     def __init__(self, stream) -> None:
         self._stream = stream
+        self._pending: collections.deque[GenerationChunk] = collections.deque()
         self._failed = False
 
     def __aiter__(self) -> _GuardedStream:
         return self
 
     async def __anext__(self) -> GenerationChunk:
-        if self._failed:
-            raise StopAsyncIteration
-        try:
-            return await self._stream.__anext__()
-        except (StopAsyncIteration, BackPressureError, asyncio.CancelledError):
-            raise
-        except Exception as exc:  # noqa: BLE001 - any worker-side failure ends this request only
-            logger.warning("model worker call failed: %s", type(exc).__name__)
-            self._failed = True
-            return GenerationChunk(error=ErrorInfo(
-                503, f"the model worker failed ({type(exc).__name__}); retry the request",
-                type="server_error", code="worker_failed"))
+        while not self._pending:
+            if self._failed:
+                raise StopAsyncIteration
+            try:
+                self._pending.extend(await self._stream.__anext__())
+            except (StopAsyncIteration, BackPressureError, asyncio.CancelledError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - any worker-side failure ends this request only
+                logger.warning("model worker call failed: %s", type(exc).__name__)
+                self._failed = True
+                return GenerationChunk(error=ErrorInfo(
+                    503, f"the model worker failed ({type(exc).__name__}); retry the request",
+                    type="server_error", code="worker_failed"))
+        return self._pending.popleft()
 
     def cancel(self) -> None:
         self._stream.cancel()

@@ -250,7 +250,9 @@ def test_worker_calls_go_over_grpc_by_value(tiny_app):
     assert handle.handle_options._by_reference is False
     request = GenerateRequest(request_id="grpc-check", messages=MESSAGES, max_tokens=5,
                               params=SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
-    chunks = list(handle.options(stream=True).generate.remote(request))
+    messages = list(handle.options(stream=True).generate.remote(request))
+    assert all(isinstance(message, list) for message in messages)  # a worker message: the chunks pending then
+    chunks = [chunk for message in messages for chunk in message]
     assert all(isinstance(chunk, GenerationChunk) for chunk in chunks)
     assert sum(len(chunk.token_ids) for chunk in chunks) == 5
     assert chunks[-1].finish_reason == "length" and chunks[-1].completion_tokens == 5

@@ -176,11 +176,11 @@ def test_a_grammar_the_worker_cannot_compile_fails_that_request_only(tiny_app):
     steps_before = worker_stats("tiny", TINY_MODEL_ID).engine_steps
     bad = GenerateRequest(request_id="bad", messages=MESSAGES, max_tokens=8,
                           params=SamplingParams(guided=GuidedDecoding("lark", "start: undefined_rule")))
-    chunks = list(handle.generate.remote(bad))
+    chunks = [c for message in handle.generate.remote(bad) for c in message]
     assert len(chunks) == 1 and chunks[0].error.status == 400 and "undefined_rule" in chunks[0].error.message
     good = GenerateRequest(request_id="good", messages=MESSAGES, max_tokens=96,
                            params=SamplingParams(seed=4, guided=GuidedDecoding("json_schema", json.dumps(PERSON))))
-    chunks = list(handle.generate.remote(good))
+    chunks = [c for message in handle.generate.remote(good) for c in message]
     assert chunks[-1].finish_reason == "stop"
     jsonschema.validate(json.loads("".join(c.text for c in chunks)), PERSON)
     assert worker_stats("tiny", TINY_MODEL_ID).engine_steps > steps_before

@@ -26,7 +26,8 @@ USER = [{"role": "user", "content": "Hi"}]
 
 
 class FakeCall:
-    """A worker's streaming response: yields `items` (an exception is raised there)."""
+    """A worker's streaming response: a message per item, each a list of one chunk (an
+    exception is raised there; a list is sent as it is)."""
 
     def __init__(self, items: list) -> None:
         self.items = list(items)
@@ -35,13 +36,13 @@ class FakeCall:
     def __aiter__(self) -> FakeCall:
         return self
 
-    async def __anext__(self) -> GenerationChunk:
+    async def __anext__(self) -> list[GenerationChunk]:
         if not self.items:
             raise StopAsyncIteration
         item = self.items.pop(0)
         if isinstance(item, BaseException):
             raise item
-        return item
+        return item if isinstance(item, list) else [item]
 
     def cancel(self) -> None:
         self.cancelled = True
