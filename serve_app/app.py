@@ -6,9 +6,12 @@ import re
 from typing import Any
 
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
-from serve_app.app_config import parse_app_config
+from serve_app.app_config import AppConfig, parse_app_config
 from serve_app.ingress import ChatIngress
+from serve_app.transport.router import ROUTER_CLASS
+from workers.contract.model_config import ModelConfig
 from workers.serving.deployment import ModelWorker
 
 
@@ -19,10 +22,15 @@ def worker_deployment_name(model_id: str) -> str:
 def build_app(args: dict[str, Any]) -> Application:
     """Validate the config (a bad key fails here, named) and bind ingress + one worker per model."""
     config = parse_app_config(args)
-    workers = {
-        model.id: ModelWorker.options(
-            name=worker_deployment_name(model.id), **model.deployment.serve_options()
-        ).bind(model.model_dump())
-        for model in config.models
-    }
+    workers = {model.id: worker_deployment(model, config).bind(model.model_dump()) for model in config.models}
     return ChatIngress.options(**config.ingress.serve_options()).bind(config.model_dump(), workers)
+
+
+def worker_deployment(model: ModelConfig, config: AppConfig):
+    """The model's worker deployment: its Serve options, its router (serve_app/transport/router.py),
+    and room for one channel per ingress replica beside `max_ongoing_requests` (a channel is
+    an open call, and Serve counts it)."""
+    options = model.deployment.serve_options()
+    options["max_ongoing_requests"] += config.ingress.max_replicas
+    return ModelWorker.options(name=worker_deployment_name(model.id), **options,
+                               request_router_config=RequestRouterConfig(request_router_class=ROUTER_CLASS))

@@ -51,8 +51,8 @@ class HandleAPI:
                 yield chunk
 
     async def _call_worker(self, req: ChatCompletionRequest, request_id: str) -> WorkerCall:
-        handle = self._worker(req.model)
-        return await call_worker(handle, await self._chat_generate_request(req, request_id))
+        transport = self._worker(req.model)
+        return await call_worker(transport, await self._chat_generate_request(req, request_id))
 
 
 def _validated(request: ChatCompletionRequest | dict[str, Any]) -> ChatCompletionRequest:

@@ -45,6 +45,7 @@ from serve_app.http.metrics import (
 from serve_app.http.request_body import parse_request, read_json_body
 from serve_app.media import MediaResolver, first_image_param, image_error
 from serve_app.output.choice_parser import OutputParsing
+from serve_app.transport.channels import WorkerChannels
 from serve_app.worker_call import (
     Accumulator,
     Streamer,
@@ -87,7 +88,13 @@ class ChatIngress(HandleAPI):
         self.auth = APIKeyAuth.from_options(self.config.server)  # reads the key env var / file here
         self.media = MediaResolver(self.config.server.media)
         self.workers = {model: over_grpc(handle) for model, handle in workers.items()}
+        self.transports = {model: WorkerChannels(handle) for model, handle in self.workers.items()}
         self._infos: dict[str, ModelInfo] = {}
+        for model, transport in self.transports.items():
+            transport.start()
+            # The first call builds the handle's router, which then names the replicas and
+            # the channels open: do it now rather than on the first request.
+            asyncio.get_running_loop().create_task(self._info(model))
         self.created = int(time.time())
         self.metrics = IngressMetrics(list(workers))  # this replica's own registry
         route_request_log_to_serve()
@@ -118,7 +125,7 @@ class ChatIngress(HandleAPI):
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         req = await self._parse(request, ChatCompletionRequest)
-        handle = self._worker(req.model)
+        transport = self._worker(req.model)
         request_id = new_request_id()
         gen_request = await self._chat_generate_request(req, request_id)
         parsing = OutputParsing.of(req, self.config.model(req.model))
@@ -126,24 +133,24 @@ class ChatIngress(HandleAPI):
             output = ChunkStreamer(request_id, req, self.config.server.full_text_enabled, parsing)
         else:
             output = CompletionAccumulator(request_id, req.model, req.n, parsing)
-        return await self._respond(handle, gen_request, req.stream, output)
+        return await self._respond(transport, gen_request, req.stream, output)
 
     @api.post("/lm/v2/chat/completions")
     async def lm_v2_chat_completions(self, request: Request) -> Response:
         req = await self._parse(request, lm_v2.LmV2ChatRequest)
-        handle = self._worker(req.model)
+        transport = self._worker(req.model)
         request_id = lm_v2.new_request_id()
         gen_request = lm_v2.to_generate_request(req, request_id)
         if req.stream:
             output = lm_v2.LmV2Streamer(request_id, req)
         else:
             output = lm_v2.LmV2Accumulator(request_id, req.model)
-        return await self._respond(handle, gen_request, req.stream, output, lm_v2.WORKER_PARAM_NAMES)
+        return await self._respond(transport, gen_request, req.stream, output, lm_v2.WORKER_PARAM_NAMES)
 
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         req = await self._parse(request, completions.CompletionRequest)
-        handle = self._worker(req.model)
+        transport = self._worker(req.model)
         request_id = completions.new_request_id()
         gen_request = completions.to_generate_request(req, request_id)
         await self._check_token_ids(req.model, gen_request.params)
@@ -151,7 +158,7 @@ class ChatIngress(HandleAPI):
             output = completions.CompletionStreamer(request_id, req)
         else:
             output = completions.CompletionAccumulator(request_id, req)
-        return await self._respond(handle, gen_request, req.stream, output, completions.WORKER_PARAM_NAMES)
+        return await self._respond(transport, gen_request, req.stream, output, completions.WORKER_PARAM_NAMES)
 
     async def _parse(self, request: Request, model_cls: type) -> Any:
         """API key, then body size, JSON and fields: the request model or an APIError.
@@ -164,13 +171,13 @@ class ChatIngress(HandleAPI):
         record.set_request(req)
         return req
 
-    async def _respond(self, handle: DeploymentHandle, gen_request: GenerateRequest, stream_response: bool,
+    async def _respond(self, transport: WorkerChannels, gen_request: GenerateRequest, stream_response: bool,
                        output: Streamer | Accumulator, param_names: Mapping[str, str] | None = None) -> Response:
         """The worker call, answered as SSE or JSON; finishes the request's metrics record."""
         record = current_record() or self.metrics.begin("")
         record.request_id = gen_request.request_id
         try:
-            call = await call_worker(handle, gen_request, param_names, record)
+            call = await call_worker(transport, gen_request, param_names, record)
             if stream_response:
                 return StreamingResponse(relay(output.events(call.first, call.rest), call, record),
                                          media_type="text/event-stream")
@@ -188,11 +195,11 @@ class ChatIngress(HandleAPI):
         await self._check_token_ids(req.model, gen_request.params)
         return await self._with_images(req.model, gen_request)
 
-    def _worker(self, model: str) -> DeploymentHandle:
-        handle = self.workers.get(model)
-        if handle is None:
+    def _worker(self, model: str) -> WorkerChannels:
+        transport = self.transports.get(model)
+        if transport is None:
             raise not_found_model(model, list(self.workers))
-        return handle
+        return transport
 
     async def _check_token_ids(self, model: str, params: SamplingParams) -> None:
         """Token ids the sampler would index with must exist in the model's vocabulary."""

@@ -1,10 +1,12 @@
 """The one place that calls a model worker, for the HTTP routes and the handle API alike.
 
-A call is a streaming `DeploymentHandle` call to the worker's `generate`. Its first chunk
-is awaited before anything is answered, so errors found by the worker (context window,
-template) still get their own status code, and an overloaded worker (BackPressureError) a
-503 with Retry-After. After that, a worker failure ends the request with an error chunk
-(`_GuardedStream`), and a caller that stops early cancels the worker's sequence.
+A call goes through the worker deployment's transport (serve_app/transport/): the
+request's own `generate` call, its chunks by this ingress's channel to the replica that
+runs it. Its first chunk is awaited before anything is answered, so errors found by the
+worker (context window, template) still get their own status code, and an overloaded
+worker (BackPressureError) a 503 with Retry-After. After that, a worker failure ends the
+request with an error chunk (503 `worker_failed`), and a caller that stops early cancels
+the worker's sequence.
 
 Each dialect supplies what the chunks become: a streamer (`events(first, rest)` -> SSE
 text) or an accumulator (`add(chunk)`, `result()`).
@@ -12,8 +14,6 @@ text) or an accumulator (`add(chunk)`, `result()`).
 
 from __future__ import annotations
 
-import asyncio
-import collections
 import logging
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -24,7 +24,8 @@ from ray.serve.handle import DeploymentHandle
 
 from serve_app.http.errors import APIError
 from serve_app.http.metrics import STATUS_CLIENT_GONE, RecordingStream, RequestRecord
-from workers.contract.chunks import ErrorInfo, GenerationChunk
+from serve_app.transport.channels import WorkerChannels
+from workers.contract.chunks import GenerationChunk
 from workers.contract.requests import GenerateRequest
 
 logger = logging.getLogger("chatserve.ingress")
@@ -68,13 +69,13 @@ def over_grpc(handle: DeploymentHandle) -> DeploymentHandle:
     return handle.options(_by_reference=False, request_serialization="pickle", response_serialization="pickle")
 
 
-async def call_worker(handle: DeploymentHandle, gen_request: GenerateRequest,
+async def call_worker(transport: WorkerChannels, gen_request: GenerateRequest,
                       param_names: Mapping[str, str] | None = None,
                       record: RequestRecord | None = None) -> WorkerCall:
     """Start the call and await its first chunk; a worker error in it raises APIError
     (`param_names` renames the worker's field names to the route's). With a `record`
     (HTTP requests), every chunk is also recorded for the request's metrics."""
-    stream: ChunkStream = _GuardedStream(handle.options(stream=True).generate.remote(gen_request))
+    stream: ChunkStream = transport.call(gen_request)
     if record is not None:
         stream = RecordingStream(stream, record)
     return WorkerCall(await _first_chunk(stream, param_names), stream)
@@ -125,37 +126,3 @@ async def relay(items: AsyncIterator[Item], call: WorkerCall, record: RequestRec
             call.rest.cancel()
         if record is not None:
             record.finish(status)
-
-
-class _GuardedStream:
-    """The worker call's chunks one by one (a worker message holds a list: everything that
-    was pending for the request when the worker sent it). If the worker fails mid-request
-    (replica died, RPC error), the request ends with an error chunk (503, retryable)
-    instead of a broken connection."""
-
-    def __init__(self, stream) -> None:
-        self._stream = stream
-        self._pending: collections.deque[GenerationChunk] = collections.deque()
-        self._failed = False
-
-    def __aiter__(self) -> _GuardedStream:
-        return self
-
-    async def __anext__(self) -> GenerationChunk:
-        while not self._pending:
-            if self._failed:
-                raise StopAsyncIteration
-            try:
-                self._pending.extend(await self._stream.__anext__())
-            except (StopAsyncIteration, BackPressureError, asyncio.CancelledError):
-                raise
-            except Exception as exc:  # noqa: BLE001 - any worker-side failure ends this request only
-                logger.warning("model worker call failed: %s", type(exc).__name__)
-                self._failed = True
-                return GenerationChunk(error=ErrorInfo(
-                    503, f"the model worker failed ({type(exc).__name__}); retry the request",
-                    type="server_error", code="worker_failed"))
-        return self._pending.popleft()
-
-    def cancel(self) -> None:
-        self._stream.cancel()

@@ -58,6 +58,10 @@ class CoalescingQueue:
         self._pending[key] = chunk
         self._latest[(request_id, chunk.index)] = key
 
+    def holds(self, request_id: str) -> bool:
+        """Whether a chunk of this request is pending (a scan: pending chunks are few)."""
+        return any(key[0] == request_id for key in self._pending)
+
     def take_all(self) -> list[tuple[str, GenerationChunk]]:
         """Everything pending, oldest first; the queue is empty afterwards."""
         taken = [(key[0], chunk) for key, chunk in self._pending.items()]

@@ -73,6 +73,10 @@ class DeploymentConfig(_Strict):
     ray_actor_options: dict[str, Any] = Field(
         default_factory=dict, description="passed to Ray as given: num_cpus, num_gpus, runtime_env, ...")
 
+    @property
+    def max_replicas(self) -> int:
+        return self.autoscaling_config.max_replicas if self.autoscaling_config is not None else self.num_replicas
+
     def serve_options(self) -> dict[str, Any]:
         options: dict[str, Any] = {
             "max_ongoing_requests": self.max_ongoing_requests,

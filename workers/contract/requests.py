@@ -52,4 +52,7 @@ class GenerateRequest:
     tools: list[dict[str, Any]] | None = None  # OpenAI tool objects the model may call
     tool_prompt: ToolPrompt | None = None  # used when the chat template ignores tools
     reasoning_start: str | None = None  # e.g. "<think>": the worker reports a prompt ending with it
+    # The ingress replica that sent it: its chunks go by that ingress's channel when the
+    # worker replica has one open (serve_app/transport/channels.py), else by the call itself.
+    ingress_id: str | None = None
 

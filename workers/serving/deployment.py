@@ -13,12 +13,14 @@ from workers.contract.chunks import GenerationChunk
 from workers.contract.model_config import ModelConfig
 from workers.contract.requests import GenerateRequest
 from workers.contract.serve_logs import route_to_serve_log
+from workers.contract.transport import ChannelBatch, ChannelReceipt
 from workers.contract.worker_info import ModelInfo, WorkerStats
 from workers.engine.llm_engine import LLMEngine
 from workers.model.cpu_linear import PackedLinear
 from workers.model.fused_projections import FusedProjection
 from workers.model.loader import LoadedModel
 from workers.serving.async_engine import AsyncEngine
+from workers.serving.channels import ChannelRegistry, until_closed
 from workers.serving.engine_build import build_engine, vision_prompts
 from workers.serving.request_processor import RequestProcessor, Timeouts
 
@@ -54,13 +56,32 @@ class ModelWorker:
         timeouts = Timeouts(engine_config.first_token_timeout_s, engine_config.request_timeout_s)
         self.processor = RequestProcessor(self.engine, loaded.tokenizer, timeouts, vision_prompts(loaded, self.config),
                                           stream_interval=engine_config.stream_interval)
+        self.channels = ChannelRegistry()
         logger.info("model %s ready: %s", self.config.id, self.info())
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[list[GenerationChunk]]:
-        """A request's chunks; each message holds everything pending when the worker got to
-        send (one chunk per choice: a backlog is merged, never held for a timer)."""
-        async for batch in self.processor.stream(request):
-            yield batch
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[list[GenerationChunk] | ChannelReceipt]:
+        """A request. Its chunks go by its ingress's channel when one is open here (then this
+        call ends with a `ChannelReceipt`), else by this call: each message holds everything
+        pending when the worker got to send (a backlog is merged per choice, never held for
+        a timer). Cancelling the call aborts the request."""
+        outbox = self.channels.get(request.ingress_id)
+        if outbox is None:
+            async for batch in self.processor.stream(request):
+                yield batch
+            return
+        await until_closed(outbox, asyncio.create_task(self.processor.run_guarded(request, outbox)))
+        yield await outbox.receipt(request.request_id)
+
+    async def channel(self, ingress_id: str, replica: str | None = None) -> AsyncIterator[ChannelBatch]:
+        """One ingress replica's channel: the chunks of all its requests here, every message
+        holding all that was pending. `replica` pins the call to this replica (the router
+        reads it). Open until the ingress cancels it or this replica stops."""
+        outbox = self.channels.open(ingress_id)
+        try:
+            async for batch in outbox.send():
+                yield batch
+        finally:
+            self.channels.close(ingress_id, outbox)
 
     def info(self) -> ModelInfo:
         engine = self.engine.describe()

@@ -20,7 +20,7 @@ class ChunkOutbox:
     def __init__(self) -> None:
         self._queue = CoalescingQueue()
         self._ready = asyncio.Event()
-        self.closed = False
+        self._closed = asyncio.Event()
 
     def put(self, request_id: str, chunk: GenerationChunk) -> None:
         self._queue.put(request_id, chunk)
@@ -32,10 +32,17 @@ class ChunkOutbox:
     def drop(self, request_id: str) -> None:
         self._queue.drop(request_id)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
     def close(self) -> None:
         """No more puts: the consumer takes what is left, then its iteration ends."""
-        self.closed = True
+        self._closed.set()
         self._ready.set()
+
+    async def wait_closed(self) -> None:
+        await self._closed.wait()
 
     async def take(self) -> list[tuple[str, GenerationChunk]]:
         """Everything pending once there is something (or the outbox closed: maybe [])."""

@@ -65,14 +65,19 @@ class RequestProcessor:
 
     async def _run_then_close(self, request: GenerateRequest, outbox: ChunkOutbox) -> None:
         try:
+            await self.run_guarded(request, outbox)
+        finally:
+            outbox.close()
+
+    async def run_guarded(self, request: GenerateRequest, outbox: ChunkOutbox) -> None:
+        """`run`, with a failure of this request's own path ending it with a 500 chunk."""
+        try:
             await self.run(request, outbox)
         except Exception as exc:  # noqa: BLE001 - a bug in this request's path ends it, with a reason
             logger.exception("request %s failed on the worker", request.request_id)
             outbox.put(request.request_id, GenerationChunk(error=ErrorInfo(
                 500, f"the request failed on the worker ({type(exc).__name__})", type="internal_error",
                 code="engine_error")))
-        finally:
-            outbox.close()
 
     async def run(self, request: GenerateRequest, outbox: ChunkOutbox) -> None:
         """The request from admission to its end, its chunks put in `outbox` under its

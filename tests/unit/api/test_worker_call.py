@@ -1,10 +1,12 @@
-"""The one worker call (serve_app/worker_call.py) against a fake deployment handle: the first
+"""The one worker call (serve_app/worker_call.py) against a fake deployment handle, through
+the transport (no channel open: the chunks come by the request's own call): the first
 chunk's errors keep their status, worker failures end the request with a 503 chunk, and a
 caller that stops early cancels the worker's sequence. Also the handle API's validation."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 from ray.serve.exceptions import BackPressureError
@@ -14,6 +16,7 @@ from serve_app.dialects.chat.request import ChatCompletionRequest
 from serve_app.handle_api import _validated
 from serve_app.http.errors import APIError
 from serve_app.http.metrics import STATUS_CLIENT_GONE, IngressMetrics
+from serve_app.transport.channels import WorkerChannels
 from serve_app.worker_call import accumulate, call_worker, relay
 from workers.contract.chunks import ErrorInfo, GenerationChunk
 from workers.contract.requests import GenerateRequest
@@ -32,6 +35,7 @@ class FakeCall:
     def __init__(self, items: list) -> None:
         self.items = list(items)
         self.cancelled = False
+        self.sent = 0
 
     def __aiter__(self) -> FakeCall:
         return self
@@ -39,6 +43,9 @@ class FakeCall:
     async def __anext__(self) -> list[GenerationChunk]:
         if not self.items:
             raise StopAsyncIteration
+        if self.sent:
+            await asyncio.sleep(0.01)  # a message a step: a reader that keeps up takes each alone
+        self.sent += 1
         item = self.items.pop(0)
         if isinstance(item, BaseException):
             raise item
@@ -49,7 +56,10 @@ class FakeCall:
 
 
 class FakeHandle:
-    """Just what call_worker uses of a DeploymentHandle: options(stream=True).generate.remote."""
+    """Just what the transport uses of a DeploymentHandle: its names, options(stream=True).generate.remote."""
+
+    app_name = "app"
+    deployment_name = "worker"
 
     def __init__(self, items: list) -> None:
         self.call = FakeCall(items)
@@ -69,84 +79,93 @@ def text(piece: str, finish: str | None = None) -> GenerationChunk:
     return GenerationChunk(text=piece, finish_reason=finish, prompt_tokens=2, completion_tokens=1)
 
 
-def start(items: list, **kwargs):
+def called(items: list, then=None, **kwargs):
+    """(handle, what `then(call)` returned) for a worker call answering `items`; all on one loop."""
     handle = FakeHandle(items)
-    return handle, asyncio.run(call_worker(handle, REQUEST, **kwargs))
+
+    async def body():
+        call = await call_worker(WorkerChannels(handle), REQUEST, **kwargs)
+        return await then(call) if then is not None else call
+
+    return handle, asyncio.run(body())
+
+
+async def rest_of(call) -> list[GenerationChunk]:
+    return [c async for c in call.rest]
 
 
 def test_the_first_chunk_is_awaited_and_the_rest_follow():
-    handle, call = start([text("a"), text("b", "length")])
-    assert handle.sent == [REQUEST]
-    assert call.first.text == "a"
+    async def first_and_rest(call):
+        return call.first.text, [c.text async for c in call.rest]
 
-    async def rest():
-        return [c.text async for c in call.rest]
-
-    assert asyncio.run(rest()) == ["b"]
+    handle, (first, rest) = called([text("a"), text("b", "length")], first_and_rest)
+    (sent,) = handle.sent
+    assert dataclasses.replace(sent, ingress_id=None) == REQUEST and sent.ingress_id  # it names its ingress
+    assert (first, rest) == ("a", ["b"])
 
 
 def test_a_worker_error_in_the_first_chunk_keeps_its_status_and_renames_its_param():
     error = ErrorInfo(400, "too long", param="messages", code="context_length_exceeded")
     handle = FakeHandle([GenerationChunk(error=error)])
     with pytest.raises(APIError) as info:
-        asyncio.run(call_worker(handle, REQUEST, {"messages": "prompt"}))
+        asyncio.run(call_worker(WorkerChannels(handle), REQUEST, {"messages": "prompt"}))
     assert (info.value.status, info.value.param, info.value.code) == (400, "prompt", "context_length_exceeded")
     assert handle.call.cancelled
 
 
 def test_back_pressure_is_503_with_retry_after():
     with pytest.raises(APIError) as info:
-        start([BackPressureError(num_queued_requests=9, max_queued_requests=8)])
+        called([BackPressureError(num_queued_requests=9, max_queued_requests=8)])
     assert (info.value.status, info.value.code, info.value.headers) == (503, "overloaded", {"Retry-After": "1"})
 
 
 def test_a_call_without_output_is_500():
     with pytest.raises(APIError) as info:
-        start([])
+        called([])
     assert info.value.status == 500
 
 
 def test_a_worker_that_fails_midway_ends_with_a_503_chunk():
-    _, call = start([text("a"), RuntimeError("replica died"), text("never")])
-
-    async def rest():
-        return [c async for c in call.rest]
-
-    (failed,) = asyncio.run(rest())
+    _, (failed,) = called([text("a"), RuntimeError("replica died"), text("never")], rest_of)
     assert (failed.error.status, failed.error.code) == (503, "worker_failed")
     assert "RuntimeError" in failed.error.message
 
 
 def test_a_worker_that_fails_first_is_a_503_error():
     with pytest.raises(APIError) as info:
-        start([RuntimeError("replica died")])
+        called([RuntimeError("replica died")])
     assert (info.value.status, info.value.code) == (503, "worker_failed")
 
 
 def test_accumulate_cancels_the_call_when_a_chunk_is_an_error():
-    handle, call = start([text("a"), GenerationChunk(error=ErrorInfo(500, "boom", type="internal_error"))])
+    items = [text("a"), GenerationChunk(error=ErrorInfo(500, "boom", type="internal_error"))]
+    handle = FakeHandle(items)
+
+    async def body():
+        call = await call_worker(WorkerChannels(handle), REQUEST)
+        await accumulate(CompletionAccumulator("r", "m"), call)
+
     with pytest.raises(APIError):
-        asyncio.run(accumulate(CompletionAccumulator("r", "m"), call))
+        asyncio.run(body())
     assert handle.call.cancelled
 
 
 def test_accumulate_returns_the_result_and_leaves_a_finished_call_alone():
-    handle, call = start([text("a"), text("b", "length")])
-    result = asyncio.run(accumulate(CompletionAccumulator("r", "m"), call))
+    handle, result = called([text("a"), text("b", "length")],
+                            lambda call: accumulate(CompletionAccumulator("r", "m"), call))
     assert result.choices[0].message.content == "ab"
     assert not handle.call.cancelled
 
 
 def relayed(items: list, take: int, record=None) -> tuple[list, FakeHandle]:
     """Relay the chunks' texts; the caller stops after `take` items."""
-    handle, call = start(items, record=record)
 
-    async def texts():
-        yield call.first.text
-        async for chunk in call.rest:
-            yield chunk.text
+    async def consume(call):
+        async def texts():
+            yield call.first.text
+            async for chunk in call.rest:
+                yield chunk.text
 
-    async def consume():
         got = []
         stream = relay(texts(), call, record)
         async for item in stream:
@@ -156,7 +175,8 @@ def relayed(items: list, take: int, record=None) -> tuple[list, FakeHandle]:
         await stream.aclose()
         return got
 
-    return asyncio.run(consume()), handle
+    handle, got = called(items, consume, record=record)
+    return got, handle
 
 
 def test_relay_cancels_the_call_when_the_caller_leaves_early_and_records_499():

@@ -1,0 +1,103 @@
+"""An ingress replica's channels to one worker deployment: one stream per worker replica,
+opened as soon as the router sees the replica, carrying this ingress's chunks of every
+step in one message; and each request's own call, which keeps Serve's per-request
+behaviour (routing by load, `max_ongoing_requests`, 503s when queues are full,
+autoscaling on ongoing requests, cancellation, the error of a dead replica).
+
+A request names this ingress (`GenerateRequest.ingress_id`); the replica that runs it
+puts its chunks on this ingress's channel when it has one open, else on the request's own
+call. Chunks from either land in the request's mailbox (serve_app/transport/mailbox.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import uuid
+
+from ray.serve.handle import DeploymentHandle
+
+from serve_app.transport.mailbox import RequestMailbox
+from serve_app.transport.router import PIN_KEYWORD, ReplicaDirectory, deployment_key
+from workers.contract.requests import GenerateRequest
+
+logger = logging.getLogger("chatserve.ingress")
+
+REOPEN_DELAY_S = 1.0  # between tries to reopen a channel that ended while its replica is still listed
+
+
+class WorkerChannels:
+    def __init__(self, handle: DeploymentHandle) -> None:
+        """`handle`: the worker deployment's handle, options set (e.g. by value over gRPC)."""
+        self.ingress_id = uuid.uuid4().hex
+        self._handle = handle
+        self._deployment = deployment_key(handle.app_name, handle.deployment_name)
+        self._mailboxes: dict[str, RequestMailbox] = {}
+        self._readers: dict[str, asyncio.Task] = {}  # worker replica -> the task reading its channel
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> None:
+        """Follow the worker replicas (call on the ingress's event loop)."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            ReplicaDirectory.subscribe(self._deployment, self._on_replicas)
+
+    def stop(self) -> None:
+        ReplicaDirectory.unsubscribe(self._deployment, self._on_replicas)
+        for reader in self._readers.values():
+            reader.cancel()
+        self._readers.clear()
+
+    def call(self, gen_request: GenerateRequest) -> RequestMailbox:
+        """Start the request; its chunks arrive in the returned mailbox."""
+        self.start()
+        request_id = gen_request.request_id
+        mailbox = RequestMailbox(request_id, gen_request.params.n, lambda: self._mailboxes.pop(request_id, None))
+        self._mailboxes[request_id] = mailbox
+        request = dataclasses.replace(gen_request, ingress_id=self.ingress_id)
+        mailbox.start(self._handle.options(stream=True).generate.remote(request))
+        return mailbox
+
+    @property
+    def open_channels(self) -> int:
+        return len(self._readers)
+
+    def _on_replicas(self, replica_ids: frozenset[str]) -> None:
+        # Called on the router's thread: the readers belong to the ingress's loop.
+        self._loop.call_soon_threadsafe(self._follow, replica_ids)
+
+    def _follow(self, replica_ids: frozenset[str]) -> None:
+        for replica in replica_ids - self._readers.keys():
+            self._readers[replica] = asyncio.create_task(self._read(replica))
+        for replica in self._readers.keys() - replica_ids:
+            self._readers.pop(replica).cancel()
+
+    async def _read(self, replica: str) -> None:
+        """Keep this replica's channel open and deliver what it carries, until it is gone."""
+        while True:
+            channel = self._handle.options(stream=True).channel.remote(self.ingress_id, **{PIN_KEYWORD: replica})
+            try:
+                async for batch in channel:
+                    self._deliver(batch, replica)
+                reason = "its channel closed"
+            except asyncio.CancelledError:
+                channel.cancel()
+                raise
+            except Exception as exc:  # noqa: BLE001 - the replica died or restarted; requests learn it
+                logger.info("channel to worker replica %s ended: %s", replica, type(exc).__name__)
+                reason = type(exc).__name__
+            self._channel_broke(replica, reason)
+            await asyncio.sleep(REOPEN_DELAY_S)
+
+    def _deliver(self, batch, replica: str) -> None:
+        mailboxes = self._mailboxes
+        for request_id, chunk in batch:
+            mailbox = mailboxes.get(request_id)
+            if mailbox is not None:  # else: cancelled here meanwhile
+                mailbox.put(chunk, from_channel=True, replica=replica)
+
+    def _channel_broke(self, replica: str, reason: str) -> None:
+        for mailbox in list(self._mailboxes.values()):
+            if mailbox.replica == replica:
+                mailbox.channel_broke(reason)
