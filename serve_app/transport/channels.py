@@ -65,7 +65,10 @@ class WorkerChannels:
 
     def _on_replicas(self, replica_ids: frozenset[str]) -> None:
         # Called on the router's thread: the readers belong to the ingress's loop.
-        self._loop.call_soon_threadsafe(self._follow, replica_ids)
+        try:
+            self._loop.call_soon_threadsafe(self._follow, replica_ids)
+        except RuntimeError:  # that loop is closed: this transport is gone
+            ReplicaDirectory.unsubscribe(self._deployment, self._on_replicas)
 
     def _follow(self, replica_ids: frozenset[str]) -> None:
         for replica in replica_ids - self._readers.keys():
