@@ -116,7 +116,8 @@ def bench_engine(args, model: Model, mode: str, config: Path, report: Path) -> N
 
 
 def bench_serve(args, model: Model, config: Path, report: Path) -> None:
-    env = {**os.environ, **SERVE_ENV, "PYTHONPATH": str(REPO)}
+    extra = dict(item.split("=", 1) for item in args.serve_env)
+    env = {**os.environ, **SERVE_ENV, **extra, "PYTHONPATH": str(REPO)}
     log = open(args.out / "serve.log", "w")
     process = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", str(config)], cwd=REPO, env=env,
                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -171,12 +172,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--systems", nargs="+", default=["engine", "serve", "vllm"],
                         choices=["engine", "worker", "serve", "vllm"])
     parser.add_argument("--dtype", default="float32", help="every system's (vLLM's CPU build runs float32 here)")
+    parser.add_argument("--serve-env", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="more environment for `serve run` (and so for Ray and the replicas)")
+    parser.add_argument("--label", default="", help="added to the report files' names (A/B runs)")
     parser.add_argument("--out", type=Path, default=REPO / "bench-results")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     model = resolve_model(args.model, args.out)
     config = serve_config(model, args.dtype, args.out)
-    reports = {system: args.out / f"{args.model}-{system}.json" for system in args.systems}
+    reports = {system: args.out / f"{args.model}-{system}{args.label}.json" for system in args.systems}
     for system in args.systems:
         print(f"== {system}: {model.name}, c={args.levels}, {args.max_tokens} tokens", flush=True)
         if system in ("engine", "worker"):
