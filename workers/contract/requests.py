@@ -1,4 +1,5 @@
-"""What the ingress asks of a worker: one generation request, with its images and tool prompt.
+"""What the ingress asks of a worker: one generation request, with its images, tool prompt
+and (when it resumes a broken stream) what its client has already received.
 
 Plain frozen dataclasses: cheap to pickle across Ray, no HTTP objects, no torch.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from workers.contract.continuation import Continuation
 from workers.contract.sampling_params import SamplingParams
 
 
@@ -52,4 +54,5 @@ class GenerateRequest:
     tools: list[dict[str, Any]] | None = None  # OpenAI tool objects the model may call
     tool_prompt: ToolPrompt | None = None  # used when the chat template ignores tools
     reasoning_start: str | None = None  # e.g. "<think>": the worker reports a prompt ending with it
+    resume: Continuation | None = None  # go on from output already delivered (workers/contract/continuation.py)
 

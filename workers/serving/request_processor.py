@@ -3,7 +3,8 @@
 Runs on the worker's event loop, beside (never inside) the engine thread: templating,
 tokenizing, detokenizing and stop-string search cost the engine no step time. When a
 stop string matches, or the caller goes away, the request is aborted in the engine at
-once and its KV blocks are freed.
+once and its KV blocks are freed. A request that resumes a broken stream
+(`GenerateRequest.resume`) first replays what its client has, then sends only new text.
 """
 
 from __future__ import annotations
@@ -16,13 +17,16 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from workers.contract.chunks import ErrorInfo, GenerationChunk
+from workers.contract.continuation import Continuation
 from workers.contract.grammar import GuidedDecodingError
 from workers.contract.requests import GenerateRequest
 from workers.contract.sampling_params import SamplingParams
 from workers.engine.events import TokenEvent
 from workers.engine.limits import CapacityError
+from workers.engine.resume import ContinuationError, ResumedChoice
 from workers.model.multimodal import ImageEncodeError
-from workers.serving.async_engine import AsyncEngine, EngineDeadError
+from workers.sampling.guided import GuideState
+from workers.serving.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from workers.serving.choice_output import ChoiceOutput, Usage
 from workers.text.prompts import Prompt, PromptBuilder, PromptError
 from workers.text.vision_prompts import VisionPromptBuilder
@@ -44,6 +48,16 @@ class Timeouts:
         return max(0.0, min(limits)) if limits else None
 
 
+@dataclass
+class _Start:
+    """A request that got into the engine (or had nothing left to generate)."""
+
+    states: list[ChoiceOutput]  # one per choice
+    usage: Usage
+    stream: RequestStream | None  # None: every choice was already finished
+    done: list[GenerationChunk]  # last chunks of choices a continuation's ids end
+
+
 class RequestProcessor:
     def __init__(self, engine: AsyncEngine, tokenizer, timeouts: Timeouts = Timeouts(),
                  vision: VisionPromptBuilder | None = None, stream_interval: int = 1) -> None:
@@ -61,12 +75,11 @@ class RequestProcessor:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:
         arrival = time.perf_counter()
         try:
-            prompt = await self._prompt(request)
-            prompt_ids = prompt.token_ids
-            params = self._resolve_params(request, len(prompt_ids))
-            # Compiling a grammar can take milliseconds: neither the loop nor the engine waits.
-            guide = await asyncio.to_thread(self.engine.compile_guide, params) if params.guided else None
-            stream = self.engine.add_request(prompt_ids, params, guide, images=prompt.images)
+            start = await self._start(request, arrival)
+        except ContinuationError as exc:
+            yield GenerationChunk(error=ErrorInfo(400, f"the request cannot be resumed: {exc}", param="resume",
+                                                  code="invalid_continuation"))
+            return
         except PromptError as exc:
             yield GenerationChunk(error=ErrorInfo(400, str(exc), param=exc.param, code=exc.code))
             return
@@ -84,22 +97,26 @@ class RequestProcessor:
             yield GenerationChunk(error=ErrorInfo(503, str(exc), type="server_error", code="engine_dead"))
             return
 
-        reasoning_open = _opens_reasoning(prompt.text, request.reasoning_start)
-        states = [ChoiceOutput(self.tokenizer, prompt_ids, params, arrival, reasoning_open) for _ in range(params.n)]
-        usage = Usage(len(prompt_ids))
-        batch_size = self.stream_interval * params.n
+        for chunk in start.done:  # choices the given ids already end
+            yield chunk
+        if start.stream is None:
+            return
+        stream, states, usage = start.stream, start.states, start.usage
+        resumed_tokens = usage.completion_tokens  # "the first token" is the first new one
         pending: list[TokenEvent] = []  # events held back by the stream interval
         try:
             while not stream.finished:
+                got_token = usage.completion_tokens > resumed_tokens
                 try:
-                    arrived = await stream.next(self.timeouts.remaining(arrival, usage.completion_tokens > 0))
+                    arrived = await stream.next(self.timeouts.remaining(arrival, got_token))
                 except TimeoutError:
                     for chunk in self._chunks(pending, states, usage):
                         yield chunk
-                    yield self._timeout_error(usage.completion_tokens > 0)
+                    yield self._timeout_error(got_token)
                     return
                 pending += arrived
-                if len(pending) < batch_size and not _must_send(arrived, stream.finished, usage):
+                batch_size = self.stream_interval * sum(not state.finished for state in states)  # per live choice
+                if len(pending) < batch_size and not _must_send(arrived, stream.finished, got_token):
                     continue  # (events held before were checked when they arrived)
                 events, pending = pending, []
                 for chunk in self._chunks(events, states, usage):
@@ -113,6 +130,26 @@ class RequestProcessor:
         finally:
             # Stop string matched, client went away, or an error: free the sequences now.
             self.engine.abort(stream)
+
+    async def _start(self, request: GenerateRequest, arrival: float) -> _Start:
+        """Template and tokenize, compile the grammar, replay a continuation, add to the engine."""
+        prompt = await self._prompt(request)
+        prompt_ids = prompt.token_ids
+        params = self._resolve_params(request, len(prompt_ids))
+        # Compiling a grammar can take milliseconds: neither the loop nor the engine waits.
+        guide = await asyncio.to_thread(self.engine.compile_guide, params) if params.guided else None
+        reasoning_open = _opens_reasoning(prompt.text, request.reasoning_start)
+        states = [ChoiceOutput(self.tokenizer, prompt_ids, params, arrival, reasoning_open) for _ in range(params.n)]
+        usage = Usage(len(prompt_ids))
+        resume, done = None, []
+        if request.resume is not None and not request.resume.is_empty:
+            # Replaying the client's ids costs two short decodes a token: off the loop.
+            resume, done = await asyncio.to_thread(self._resume, request.resume, prompt_ids, params, guide,
+                                                   states, usage)
+        if resume == []:
+            return _Start(states, usage, None, done)  # the given ids end every choice
+        stream = self.engine.add_request(prompt_ids, params, guide, images=prompt.images, resume=resume)
+        return _Start(states, usage, stream, done)
 
     async def _prompt(self, request: GenerateRequest) -> Prompt:
         if self.vision is None:
@@ -156,6 +193,31 @@ class RequestProcessor:
             chunks.append(state.chunk(index, by_choice[index], usage))
         return chunks
 
+    def _resume(self, continuation: Continuation, prompt_ids: list[int], params: SamplingParams,
+                guide: GuideState | None, states: list[ChoiceOutput],
+                usage: Usage) -> tuple[list[ResumedChoice] | None, list[GenerationChunk]]:
+        """Prime each choice with what its client has. Returns the choices to go on with
+        (None: run the request from the start, as beam search does) and the last chunks of
+        those the given ids already end. Raises ContinuationError."""
+        given = continuation.choices
+        if len(given) != params.n:
+            raise ContinuationError(f"{len(given)} choices given for a request of {params.n}")
+        for state, progress in zip(states, given):
+            if progress.finished:
+                state.skip(progress.token_ids, usage)
+        outputs = {i: list(c.token_ids) for i, c in enumerate(given) if not c.finished}
+        if params.use_beam_search:
+            # Beams come out whole at the end, so nothing partial was sent: run it again.
+            if any(outputs.values()):
+                raise ContinuationError("beam search resumes from the start: unfinished beams carry no tokens")
+            return None, []
+        replayed = self.engine.replay_output(prompt_ids, params, outputs, guide)
+        done = [chunk for r in replayed
+                if (chunk := states[r.index].replay(r.index, r.output_ids, r.finish_reason, r.stop_token_id, usage))]
+        for chunk in done:
+            chunk.completion_tokens = usage.completion_tokens
+        return [r for r in replayed if not states[r.index].finished], done
+
     def _resolve_params(self, request: GenerateRequest, num_prompt_tokens: int) -> SamplingParams:
         max_tokens = request.max_tokens
         if max_tokens is None:
@@ -174,10 +236,11 @@ def _prompt_size(request: GenerateRequest) -> int:
                for m in request.messages or ())
 
 
-def _must_send(arrived: list[TokenEvent], finished: bool, usage: Usage) -> bool:
-    """Events that go out at once whatever the stream interval: the first token (no timer
-    on the time to first token), the request's end, and a failure."""
-    return usage.completion_tokens == 0 or finished or any(e.error is not None for e in arrived)
+def _must_send(arrived: list[TokenEvent], finished: bool, got_token: bool) -> bool:
+    """Events that go out at once whatever the stream interval: the first (new) token (no
+    timer on the time to first token, nor on a resumed stream's pause), the request's
+    end, and a failure."""
+    return not got_token or finished or any(e.error is not None for e in arrived)
 
 
 def _step_error(failed: TokenEvent) -> GenerationChunk:
