@@ -168,7 +168,7 @@ class Sampler:
         cdf = probs.cumsum_(dim=-1)
         uniform = torch.rand(cdf.shape[0], device=cdf.device)
         if st.seeded is not None:
-            uniform.index_copy_(0, st.seeded.rows, st.seeded.uniforms())
+            uniform.index_copy_(0, st.seeded.rows, st.seeded.uniforms(uniform.device))
         # Scale into [tiny, total): a zero-probability token has zero width in the CDF, so
         # it can never be chosen, and float rounding of the total cannot push past the end.
         targets = uniform.clamp_(min=1e-7) * cdf[:, -1]
