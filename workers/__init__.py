@@ -2,7 +2,7 @@
 served as a Ray Serve deployment.
 
 Packages, one concept each:
-  contract  the torch-free contract with the ingress: requests, chunks, errors, configs
+  contract  the torch-free contract with the ingress: requests, continuations, chunks, errors, configs
   engine    sequences, scheduler, KV blocks, the step loop (LLMEngine) and its helpers
   model     loading, paged attention, KV tensors, the model runner, CUDA graphs, CPU packing
   sampling  the batched sampler, log-probabilities, grammar-guided masks

@@ -40,6 +40,10 @@ class GenerationChunk:
 
     With n > 1 the chunks of all choices interleave; `index` says whose it is and
     `finish_reason` ends that choice only. Usage counts are per request (all choices).
+    `token_ids` are the output tokens consumed since the previous chunk: their text is in
+    this chunk, or still held back by the worker (a partial UTF-8 character, a possible
+    stop-string start); a resumed request lists every id received
+    (workers/contract/continuation.py).
     """
 
     index: int = 0

@@ -1,4 +1,5 @@
-"""What the ingress asks of a worker: one generation request, with its images and tool prompt.
+"""What the ingress asks of a worker: one generation request, with its images, tool prompt
+and (when it resumes a broken stream) what its client has already received.
 
 Plain frozen dataclasses: cheap to pickle across Ray, no HTTP objects, no torch.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from workers.contract.continuation import Continuation
 from workers.contract.sampling_params import SamplingParams
 
 
@@ -55,4 +57,5 @@ class GenerateRequest:
     # The ingress replica that sent it: its chunks go by that ingress's channel when the
     # worker replica has one open (serve_app/transport/channels.py), else by the call itself.
     ingress_id: str | None = None
+    resume: Continuation | None = None  # go on from output already delivered (workers/contract/continuation.py)
 

@@ -45,7 +45,7 @@ def token_events(results: list[StepResult], logprobs: dict[int, tuple[float, Top
         if reason is not None:
             _retire(requests, seq)
         lp, top = logprobs.get(row, (None, None))
-        first_token = seq.num_output_tokens == 1 and seq.index == 0
+        first_token = seq.lead and seq.num_output_tokens == seq.num_resumed_tokens + 1
         first = first_token and seq.params.prompt_logprobs is not None
         events.append(
             TokenEvent(
@@ -60,10 +60,17 @@ def token_events(results: list[StepResult], logprobs: dict[int, tuple[float, Top
                 prompt_logprobs=list(seq.prompt_logprobs) if first else None,
                 request_finished=reason is not None and seq.request_id not in requests,
                 queue_time=seq.queue_time if first_token else None,
-                cached_tokens=seq.num_cached_tokens if first_token else None,
+                cached_tokens=_cached_prompt_tokens(seq) if first_token else None,
             )
         )
     return events
+
+
+def _cached_prompt_tokens(seq: Sequence) -> int | None:
+    """Prompt tokens found in the prefix cache (a resumed sequence may also find some of
+    its given output there, which is not prompt)."""
+    cached = seq.num_cached_tokens
+    return None if cached is None else min(cached, seq.num_prompt_tokens)
 
 
 def _retire(requests: LiveRequests, seq: Sequence) -> None:

@@ -26,6 +26,12 @@ from workers.engine.model_setup import (
     kv_pool,
     model_runner,
 )
+from workers.engine.resume import (
+    OutputRules,
+    ResumedChoice,
+    replay_choices,
+    resumed_sequences,
+)
 from workers.engine.scheduler import Scheduler, SchedulerConfig
 from workers.engine.sequence import Sequence
 from workers.engine.step_recovery import StepRecovery
@@ -101,13 +107,22 @@ class LLMEngine:
             raise GuidedDecodingError("this engine has no tokenizer, so it cannot guide decoding")
         return self.guided.compile(params.guided)
 
+    def replay_output(self, prompt_token_ids: list[int], params: SamplingParams, outputs: dict[int, list[int]],
+                      guide: GuideState | None) -> list[ResumedChoice]:
+        """A resumed request's choices (choice index -> output ids already produced), replayed
+        through the stop rules and the grammar (`guide`, from compile_guide, is copied per
+        choice); raises ContinuationError. Reads only fixed state, so any thread may call it."""
+        rules = OutputRules(self.eos_token_ids, self.limits.max_model_len, self.vocab_size)
+        return replay_choices(prompt_token_ids, outputs, params, guide, rules)
+
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, guide: GuideState | None = None, *,
-                    images: ImageInputs | None = None) -> int:
+                    images: ImageInputs | None = None, resume: list[ResumedChoice] | None = None) -> int:
         """Queue a request; returns its id. Choices 1..n-1 fork from choice 0 after the prompt.
         A guided request's grammar is compiled here unless `guide` (from compile_guide) is given.
-        A request's images are encoded here, once (raises ImageEncodeError)."""
+        A request's images are encoded here, once (raises ImageEncodeError). `resume`
+        (from replay_output, unfinished choices only): go on from output already produced."""
         self.check_request(prompt_token_ids, params)
-        if params.guided is not None and guide is None:
+        if params.guided is not None and guide is None and resume is None:
             guide = self.compile_guide(params)
         seq = Sequence(
             seq_id=next(self._ids),
@@ -119,10 +134,12 @@ class LLMEngine:
             image_features=self.runner.encode_images(images) if images is not None else None,
             guide=guide,
         )
-        self._requests[seq.request_id] = [seq]
+        seqs = [seq] if resume is None else resumed_sequences(seq, resume, self._ids)
+        self._requests[seq.request_id] = seqs
         if params.use_beam_search:
             self.beams.start(seq, self.eos_token_ids)
-        self.scheduler.add(seq)
+        for choice in seqs:
+            self.scheduler.add(choice)
         return seq.request_id
 
     def abort_request(self, request_id: int) -> None:
@@ -228,5 +245,7 @@ class LLMEngine:
         self.kv_cache.copy_blocks(batch.block_copies)
         logits, _ = self.runner.forward(batch.decodes, [], decode_token_ids=token_ids)
         seqs = [c.seq for c in batch.decodes]
-        return self.sampler(logits[:, : self.vocab_size], SamplingTensors.from_sequences(seqs, self.vocab_size,
-                                                                                         self.device))
+        # Fed from the device, each sequence's previous token is sampled but not appended yet.
+        pending = 0 if token_ids is None else 1
+        tensors = SamplingTensors.from_sequences(seqs, self.vocab_size, self.device, pending)
+        return self.sampler(logits[:, : self.vocab_size], tensors)

@@ -6,11 +6,10 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from workers.contract.sampling_params import SamplingParams
 from workers.model.multimodal import ImageFeatures
 from workers.sampling.guided import GuideState
+from workers.sampling.seeded_draws import stream_key
 
 
 class SequenceStatus(enum.Enum):
@@ -31,7 +30,9 @@ class Sequence:
 
     `token_ids` holds prompt + generated tokens in one list so a prefill after
     preemption recomputes exactly what was there. `num_computed_tokens` counts the
-    tokens whose K/V are in the cache; the rest are fed to the model next.
+    tokens whose K/V are in the cache; the rest are fed to the model next. A resumed
+    choice (workers/engine/resume.py) starts with output tokens produced elsewhere:
+    they are prefilled with the prompt but count as output.
     """
 
     seq_id: int
@@ -47,7 +48,11 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
-    generator: torch.Generator | None = None
+    # Its first new token carries the request's queue time and cached tokens: choice 0,
+    # or the first choice of a resumed request.
+    lead: bool = True
+    num_resumed_tokens: int = 0  # output tokens it started with (produced before a resume)
+    seed_key: tuple[int, int] | None = None  # seeded: its draws' key (seed, choice), set from params
     cum_logprob: float = 0.0  # beam search only
     arrival_time: float = 0.0  # perf_counter() when the engine took the request
     queue_time: float | None = None  # seconds from arrival to its first scheduled step
@@ -68,8 +73,9 @@ class Sequence:
         if self.request_id < 0:
             self.request_id = self.seq_id
         if self.params.seed is not None:
-            # Choice i of a seeded request draws from seed + i: reproducible, yet distinct.
-            self.generator = torch.Generator().manual_seed(self.params.seed + self.index)
+            # Draws hash (seed, choice, output position): choices differ, and a choice's k-th
+            # token draws the same number whatever its batch, preemption or resumption.
+            self.seed_key = stream_key(self.params.seed, self.index)
 
     def fork(self, seq_id: int, index: int) -> "Sequence":
         """A sibling choice: same tokens and cache progress; blocks are shared by the caller."""
@@ -81,6 +87,7 @@ class Sequence:
             max_model_len=self.max_model_len,
             request_id=self.request_id,
             index=index,
+            lead=False,
             cache_salt=self.cache_salt,
             image_features=self.image_features,
         )

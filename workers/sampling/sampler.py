@@ -10,8 +10,9 @@ Sampling is by inverse CDF: one uniform number per row, located in the row's
 cumulative distribution with `searchsorted`. That needs one random number per row
 instead of one per vocabulary entry (an exponential-race draw over a [32, 49152]
 batch cost 37 ms on 2 cores; this costs about 3 ms). Unseeded rows draw their
-numbers from the global generator in one call; a seeded row draws its own from its
-private generator, so its tokens do not depend on which requests share the batch.
+numbers from the global generator in one call; a seeded row's number is a hash of
+(seed, choice, output position) (seeded_draws.py), so its tokens depend neither on
+which requests share the batch nor on where the request ran before a resume.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from workers.engine.sequence import Sequence
 from workers.sampling.guided import GuidedMask
+from workers.sampling.seeded_draws import SeededRows
 
 
 @dataclass
@@ -73,7 +75,6 @@ class SamplingTensors:
     top_ks: torch.Tensor  # [S] long, vocab size where off
     top_ps: torch.Tensor  # [S]
     greedy: torch.Tensor  # [S] bool
-    generators: list[tuple[int, torch.Generator]]  # seeded rows only
     all_greedy: bool
     needs_top_k: bool
     needs_top_p: bool
@@ -82,16 +83,19 @@ class SamplingTensors:
     penalties: PenaltyTensors | None = None
     additive: tuple[list[int], list[int], list[float]] | None = None  # (rows, token ids, bias): bias and bans
     guided: GuidedMask | None = None  # set by the engine when some row is guided
+    seeded: SeededRows | None = None  # sampled rows with a seed
 
     @classmethod
-    def from_sequences(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> "SamplingTensors":
+    def from_sequences(cls, seqs: list[Sequence], vocab_size: int, device: torch.device,
+                       pending: int = 0) -> "SamplingTensors":
+        """`pending`: tokens each sequence has sampled but not appended yet (async
+        scheduling samples one step ahead), so seeded rows draw for the right position."""
         params = [s.params for s in seqs]
         greedy = [p.greedy for p in params]
         temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
         top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
         top_ps = [p.top_p for p in params]
         min_ps = [p.min_p for p in params]
-        generators = [(i, s.generator) for i, s in enumerate(seqs) if s.generator is not None and not greedy[i]]
         sampled = [not g for g in greedy]
         all_greedy = all(greedy)
         # An all-greedy batch never reads these four: they stay on the host (no device copy
@@ -102,7 +106,6 @@ class SamplingTensors:
             top_ks=torch.tensor(top_ks, dtype=torch.long, device=row_device),
             top_ps=torch.tensor(top_ps, dtype=torch.float32, device=row_device),
             greedy=torch.tensor(greedy, dtype=torch.bool, device=row_device),
-            generators=generators,
             all_greedy=all_greedy,
             any_greedy=any(greedy),
             needs_top_k=any(k < vocab_size for k, s in zip(top_ks, sampled) if s),
@@ -110,7 +113,17 @@ class SamplingTensors:
             min_ps=torch.tensor(min_ps, device=device) if any(min_ps) else None,
             penalties=PenaltyTensors.build(seqs, vocab_size, device) if any(p.has_penalties for p in params) else None,
             additive=_additive_entries(seqs, vocab_size),
+            seeded=_seeded_rows(seqs, sampled, pending, device),
         )
+
+
+def _seeded_rows(seqs: list[Sequence], sampled: list[bool], pending: int, device: torch.device) -> SeededRows | None:
+    rows = [i for i, s in enumerate(seqs) if sampled[i] and s.params.seed is not None]
+    if not rows:
+        return None
+    chosen = [seqs[i] for i in rows]
+    return SeededRows.build(rows, [s.seed_key for s in chosen], [s.num_output_tokens + pending for s in chosen],
+                            device)
 
 
 def _additive_entries(seqs: list[Sequence], vocab_size: int) -> tuple[list[int], list[int], list[float]] | None:
@@ -154,8 +167,8 @@ class Sampler:
             probs = probs.masked_fill(probs < floor, 0.0)
         cdf = probs.cumsum_(dim=-1)
         uniform = torch.rand(cdf.shape[0], device=cdf.device)
-        for row, generator in st.generators:
-            uniform[row] = torch.rand(1, generator=generator, device=generator.device)[0]
+        if st.seeded is not None:
+            uniform.index_copy_(0, st.seeded.rows, st.seeded.uniforms(uniform.device))
         # Scale into [tiny, total): a zero-probability token has zero width in the CDF, so
         # it can never be chosen, and float rounding of the total cannot push past the end.
         targets = uniform.clamp_(min=1e-7) * cdf[:, -1]

@@ -53,7 +53,8 @@ class ActiveRequest:
         self._stream = stream
         self._choices = choices
         self._outbox = outbox
-        self._batch_size = stream_interval * len(choices)
+        self._stream_interval = stream_interval
+        self._resumed_tokens = usage.completion_tokens  # a resumed request's first token is its first new one
         self._held: list[TokenEvent] = []  # events held back by the stream interval
         self._done = asyncio.Event()
         stream.sink = self.on_events
@@ -81,7 +82,8 @@ class ActiveRequest:
             self._put(self._take_chunks())
             self._fail(_exception_error(failure))
             return
-        if len(self._held) < self._batch_size and not self._must_send(arrived):
+        live = sum(not choice.finished for choice in self._choices)
+        if len(self._held) < self._stream_interval * live and not self._must_send(arrived):
             return
         self._put(self._take_chunks())
         if all(choice.finished for choice in self._choices):
@@ -90,14 +92,13 @@ class ActiveRequest:
     async def until_done(self, timeouts: Timeouts, arrival: float) -> None:
         """Wait for the end; past a deadline, end the request with a 504 chunk."""
         while not self.done:
-            got_first = self.usage.completion_tokens > 0
-            remaining = timeouts.remaining(arrival, got_first)
+            remaining = timeouts.remaining(arrival, self._got_token)
             try:
                 await asyncio.wait_for(self._done.wait(), remaining)
             except TimeoutError:
-                if not self.done and timeouts.remaining(arrival, self.usage.completion_tokens > 0) == 0.0:
+                if not self.done and timeouts.remaining(arrival, self._got_token) == 0.0:
                     self._put(self._take_chunks())
-                    self._fail(timeouts.error(self.usage.completion_tokens > 0))
+                    self._fail(timeouts.error(self._got_token))
 
     def close(self) -> None:
         """The request's coroutine is leaving (ended, or cancelled): free its sequence now."""
@@ -106,11 +107,15 @@ class ActiveRequest:
             self._outbox.drop(self.request_id)
         self._engine.abort(self._stream)
 
+    @property
+    def _got_token(self) -> bool:
+        return self.usage.completion_tokens > self._resumed_tokens
+
     def _must_send(self, arrived: list[TokenEvent]) -> bool:
-        """Events that go out at once whatever the stream interval: the first token (no timer
-        on the time to first token), the request's end, and a failure."""
-        return (self.usage.completion_tokens == 0 or self._stream.finished
-                or any(e.error is not None for e in arrived))
+        """Events that go out at once whatever the stream interval: the first (new) token (no
+        timer on the time to first token, nor on a resumed stream's pause), the request's end,
+        and a failure."""
+        return not self._got_token or self._stream.finished or any(e.error is not None for e in arrived)
 
     def _take_chunks(self) -> list[GenerationChunk]:
         """One chunk per choice that has news in the held events, in choice order. A failed

@@ -22,6 +22,7 @@ from workers.engine.engine_info import EngineDescription, EngineStats
 from workers.engine.events import TokenEvent
 from workers.engine.limits import EngineLimits
 from workers.engine.llm_engine import LLMEngine
+from workers.engine.resume import ResumedChoice
 from workers.model.multimodal import ImageInputs
 from workers.sampling.guided import GuideState
 
@@ -39,6 +40,7 @@ class _Add:
     stream: "RequestStream"
     guide: GuideState | None
     images: ImageInputs | None = None
+    resume: list[ResumedChoice] | None = None
 
 
 @dataclass
@@ -159,6 +161,11 @@ class AsyncEngine:
         LLMEngine.compile_guide)."""
         return self._engine.compile_guide(params)
 
+    def replay_output(self, prompt_token_ids: list[int], params: SamplingParams, outputs: dict[int, list[int]],
+                      guide: GuideState | None) -> list[ResumedChoice]:
+        """A resumed request's choices, on the caller's thread (see LLMEngine.replay_output)."""
+        return self._engine.replay_output(prompt_token_ids, params, outputs, guide)
+
     def stats(self) -> EngineStats:
         return self._engine.stats()
 
@@ -167,18 +174,19 @@ class AsyncEngine:
 
     def add_request(
         self, prompt_token_ids: list[int], params: SamplingParams, guide: GuideState | None = None, *,
-        images: ImageInputs | None = None,
+        images: ImageInputs | None = None, resume: list[ResumedChoice] | None = None,
     ) -> RequestStream:
         """Check the request now (raises CapacityError, or GuidedDecodingError for a grammar
         that does not compile), then queue it for the engine thread. A guided request's
-        grammar is compiled here, on the caller's thread, unless `guide` is given."""
+        grammar is compiled here, on the caller's thread, unless `guide` or `resume` (whose
+        choices carry their own, from replay_output) is given."""
         if not self.alive:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
         self.check_request(prompt_token_ids, params)
-        if guide is None:
+        if guide is None and resume is None:
             guide = self.compile_guide(params)
         stream = RequestStream()
-        self._commands.put(_Add(prompt_token_ids, params, stream, guide, images))
+        self._commands.put(_Add(prompt_token_ids, params, stream, guide, images, resume))
         self._wake.set()
         if self.error is not None:
             # The engine died after the check above; its last drain may have missed this command.
@@ -243,7 +251,7 @@ class AsyncEngine:
             if isinstance(cmd, _Add):
                 try:
                     request_id = self._engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.guide,
-                                                          images=cmd.images)
+                                                          images=cmd.images, resume=cmd.resume)
                 except Exception as exc:  # noqa: BLE001 - fails this request only
                     self._loop.call_soon_threadsafe(_deliver, [(cmd.stream, exc)])
                     continue

@@ -1,13 +1,16 @@
 """One choice of a request on its way out: its tokens become text (detokenized, cut at a
-stop string), timings and logprobs, one `GenerationChunk` per batch of its events."""
+stop string), timings and logprobs, one `GenerationChunk` per batch of its events. A
+resumed choice first replays the ids its client already has, so its text goes on exactly."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from workers.contract.chunks import GenerationChunk, TokenLogprob, TopLogprob
 from workers.contract.sampling_params import SamplingParams
 from workers.engine.events import TokenEvent
+from workers.engine.resume import ContinuationError
 from workers.engine.sequence import FinishReason
 from workers.text.detokenizer import IncrementalDetokenizer
 from workers.text.stop_strings import StopStringMatcher
@@ -44,6 +47,31 @@ class ChoiceOutput:
         if chunk.prompt_logprobs is None and events[0].prompt_logprobs is not None:
             chunk.prompt_logprobs = self._prompt_logprobs(events[0].prompt_logprobs)
         return chunk
+
+    def replay(self, index: int, output_ids: list[int], finish: FinishReason | None, stop_token_id: int | None,
+               usage: Usage) -> GenerationChunk | None:
+        """Take the ids a client already has (a resumed request) as if they had just been
+        sampled, discarding their text, which the client has: what was held back (a partial
+        character, a possible stop string) stays held and goes out with the next new text,
+        and usage counts them. `finish`: the last id ends the choice (the engine's rules).
+        Returns the choice's last chunk when the ids end it (nothing new in it)."""
+        if not output_ids:
+            return None
+        events = [TokenEvent(-1, index, token, None, None, self.last_time) for token in output_ids]
+        events[-1] = dataclasses.replace(events[-1], finish_reason=finish, stop_token_id=stop_token_id)
+        replayed = self.consume(events, usage)
+        if len(replayed.token_ids) < len(output_ids):
+            raise ContinuationError(f"choice {index}: the given tokens go on after a stop string")
+        if replayed.finish_reason is None:
+            return None
+        return GenerationChunk(index=index, finish_reason=replayed.finish_reason, stop_reason=replayed.stop_reason,
+                               prompt_tokens=usage.prompt_tokens, reasoning_open=self.reasoning_open)
+
+    def skip(self, output_ids: tuple[int, ...], usage: Usage) -> None:
+        """A choice its client already has whole (a resumed request): only usage counts it."""
+        self.num_tokens = len(output_ids)
+        usage.completion_tokens += len(output_ids)
+        self.finished = True
 
     def consume(self, events: list[TokenEvent], usage: Usage) -> GenerationChunk:
         chunk = GenerationChunk(prompt_tokens=usage.prompt_tokens, reasoning_open=self.reasoning_open)

@@ -5,7 +5,8 @@ tokenizing, detokenizing and stop-string search cost the engine no step time. Ad
 (template, window and KV checks, grammar) happens here; from then on the request's
 chunks are made by its `ActiveRequest` as each step's events arrive. When a stop string
 matches, or the caller goes away, the request is aborted in the engine at once and its
-KV blocks are freed.
+KV blocks are freed. A request that resumes a broken stream (`GenerateRequest.resume`)
+first replays what its client has, then sends only new text.
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ import time
 from collections.abc import AsyncIterator
 
 from workers.contract.chunks import ErrorInfo, GenerationChunk
+from workers.contract.continuation import Continuation
 from workers.contract.grammar import GuidedDecodingError
 from workers.contract.requests import GenerateRequest
 from workers.contract.sampling_params import SamplingParams
 from workers.engine.limits import CapacityError
+from workers.engine.resume import ContinuationError, ResumedChoice
+from workers.sampling.guided import GuideState
 from workers.serving.active_request import ActiveRequest, Timeouts
 from workers.serving.async_engine import AsyncEngine, EngineDeadError
 from workers.serving.choice_output import ChoiceOutput, Usage
@@ -92,22 +96,34 @@ class RequestProcessor:
             active.close()
 
     async def admit(self, request: GenerateRequest, outbox: ChunkOutbox, arrival: float) -> ActiveRequest | None:
-        """Template, check and queue the request; None when refused (the refusal is in `outbox`).
-        `arrival` (perf_counter) starts the request's timings."""
+        """Template, check, replay a continuation, queue the request; None when refused or
+        already finished (its chunks are in `outbox`). `arrival` (perf_counter) starts the
+        request's timings."""
         try:
             prompt = await self._prompt(request)
             prompt_ids = prompt.token_ids
             params = self._resolve_params(request, len(prompt_ids))
             # Compiling a grammar can take milliseconds: neither the loop nor the engine waits.
             guide = await asyncio.to_thread(self.engine.compile_guide, params) if params.guided else None
-            stream = self.engine.add_request(prompt_ids, params, guide, images=prompt.images)
-        except (PromptError, GuidedDecodingError, CapacityError, EngineDeadError) as exc:
+            reasoning_open = _opens_reasoning(prompt.text, request.reasoning_start)
+            choices = [ChoiceOutput(self.tokenizer, prompt_ids, params, arrival, reasoning_open)
+                       for _ in range(params.n)]
+            usage = Usage(len(prompt_ids))
+            resume, done = None, []
+            if request.resume is not None and not request.resume.is_empty:
+                # Replaying the client's ids costs two short decodes a token: off the loop.
+                resume, done = await asyncio.to_thread(self._resume, request.resume, prompt_ids, params, guide,
+                                                       choices, usage)
+            stream = None if resume == [] else self.engine.add_request(prompt_ids, params, guide,
+                                                                      images=prompt.images, resume=resume)
+        except (PromptError, GuidedDecodingError, CapacityError, EngineDeadError, ContinuationError) as exc:
             outbox.put(request.request_id, _refusal(request, exc))
             return None
-        reasoning_open = _opens_reasoning(prompt.text, request.reasoning_start)
-        choices = [ChoiceOutput(self.tokenizer, prompt_ids, params, arrival, reasoning_open) for _ in range(params.n)]
-        return ActiveRequest(request.request_id, self.engine, stream, choices, Usage(len(prompt_ids)), outbox,
-                             self.stream_interval)
+        for chunk in done:  # choices the given ids already end
+            outbox.put(request.request_id, chunk)
+        if stream is None:
+            return None  # the given ids end every choice
+        return ActiveRequest(request.request_id, self.engine, stream, choices, usage, outbox, self.stream_interval)
 
     async def _prompt(self, request: GenerateRequest) -> Prompt:
         if self.vision is None:
@@ -121,6 +137,31 @@ class RequestProcessor:
         # Decoding and preparing pixels takes milliseconds per image: off the event loop,
         # which meanwhile streams other requests' tokens.
         return await asyncio.to_thread(self.vision.build, request)
+
+    def _resume(self, continuation: Continuation, prompt_ids: list[int], params: SamplingParams,
+                guide: GuideState | None, choices: list[ChoiceOutput],
+                usage: Usage) -> tuple[list[ResumedChoice] | None, list[GenerationChunk]]:
+        """Prime each choice with what its client has. Returns the choices to go on with
+        (None: run the request from the start, as beam search does) and the last chunks of
+        those the given ids already end. Raises ContinuationError."""
+        given = continuation.choices
+        if len(given) != params.n:
+            raise ContinuationError(f"{len(given)} choices given for a request of {params.n}")
+        for choice, progress in zip(choices, given):
+            if progress.finished:
+                choice.skip(progress.token_ids, usage)
+        outputs = {i: list(c.token_ids) for i, c in enumerate(given) if not c.finished}
+        if params.use_beam_search:
+            # Beams come out whole at the end, so nothing partial was sent: run it again.
+            if any(outputs.values()):
+                raise ContinuationError("beam search resumes from the start: unfinished beams carry no tokens")
+            return None, []
+        replayed = self.engine.replay_output(prompt_ids, params, outputs, guide)
+        done = [chunk for r in replayed
+                if (chunk := choices[r.index].replay(r.index, r.output_ids, r.finish_reason, r.stop_token_id, usage))]
+        for chunk in done:
+            chunk.completion_tokens = usage.completion_tokens
+        return [r for r in replayed if not choices[r.index].finished], done
 
     def _resolve_params(self, request: GenerateRequest, num_prompt_tokens: int) -> SamplingParams:
         max_tokens = request.max_tokens
@@ -142,6 +183,9 @@ def _prompt_size(request: GenerateRequest) -> int:
 
 def _refusal(request: GenerateRequest, exc: Exception) -> GenerationChunk:
     """The error chunk of a request refused at admission."""
+    if isinstance(exc, ContinuationError):
+        return GenerationChunk(error=ErrorInfo(400, f"the request cannot be resumed: {exc}", param="resume",
+                                               code="invalid_continuation"))
     if isinstance(exc, PromptError):
         return GenerationChunk(error=ErrorInfo(400, str(exc), param=exc.param, code=exc.code))
     if isinstance(exc, GuidedDecodingError):

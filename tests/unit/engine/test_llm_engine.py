@@ -203,7 +203,7 @@ def test_an_exception_in_one_requests_sampling_fails_that_request_only(paged_mod
     poison_seed = 666
 
     def poisoned_sampler(logits, tensors):
-        if tensors.generators:  # the (only) seeded request is in this step
+        if tensors.seeded is not None:  # the (only) seeded request is in this step
             raise RuntimeError("injected sampling failure")
         return sampler(logits, tensors)
 

@@ -116,7 +116,7 @@ def schema_guide(schema: dict) -> GuidedDecoding:
     return GuidedDecoding(kind="json_schema", spec=json.dumps(schema))
 
 
-def sampled(guided: GuidedDecoding, seed: int, max_tokens: int = 96, **kw) -> SamplingParams:
+def sampled(guided: GuidedDecoding, seed: int, max_tokens: int = 128, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, guided=guided, **kw)
 
 
@@ -270,13 +270,13 @@ def test_preemption_keeps_the_grammar_state(paged_model, tiny_tokenizer, prompt)
     def run(num_blocks: int) -> tuple[list[list[int]], int]:
         engine = guided_engine(paged_model, tiny_tokenizer, num_blocks=num_blocks, max_num_batched_tokens=16)
         preempted = record_preemptions(engine)
-        ids = [engine.add_request(prompt, sampled(schema_guide(SCHEMAS["numbers"]), s, max_tokens=48))
+        ids = [engine.add_request(prompt, sampled(schema_guide(SCHEMAS["numbers"]), s, max_tokens=64))
                for s in range(4)]
         events = run_to_completion(engine)
         return [[e.token_id for e in events[r]] for r in ids], len(preempted)
 
     roomy, _ = run(256)
-    tight, preemptions = run(-(-(len(prompt) + 48) // 4) + 1)
+    tight, preemptions = run(-(-(len(prompt) + 64) // 4) + 1)
     assert preemptions > 0
     assert tight == roomy
     for tokens in tight:
