@@ -26,10 +26,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import yaml
 
 from tools.bench.near_free_model import write_near_free_model
+from tools.servers import wait_ready
 from workers.contract.model_config import BUILTIN_DEFAULT_MODEL
 from workers.model.loader import prepare_model_dir
 
@@ -79,20 +79,6 @@ def run(cmd: list[str], **kwargs) -> None:
     subprocess.run(cmd, check=True, cwd=REPO, **kwargs)
 
 
-def wait_until_up(url: str, process: subprocess.Popen, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"server exited with {process.returncode} before it came up ({url})")
-        try:
-            if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise SystemExit(f"{url} did not come up in {timeout_s:.0f} s")
-
-
 def stop(process: subprocess.Popen) -> None:
     """The server's whole process group, then (for Ray) whatever `ray stop` still finds."""
     if process.poll() is None:
@@ -122,7 +108,7 @@ def bench_serve(args, model: Model, config: Path, report: Path) -> None:
     process = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", str(config)], cwd=REPO, env=env,
                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_until_up(f"http://127.0.0.1:{SERVE_PORT}", process)
+        wait_ready(f"http://127.0.0.1:{SERVE_PORT}", 600, process)
         load(args, f"http://127.0.0.1:{SERVE_PORT}", model.name, report)
     finally:
         stop(process)
@@ -139,7 +125,7 @@ def bench_vllm(args, model: Model, report: Path) -> None:
     print("$", " ".join(cmd), flush=True)
     process = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_until_up(f"http://127.0.0.1:{VLLM_PORT}", process)
+        wait_ready(f"http://127.0.0.1:{VLLM_PORT}", 600, process)
         load(args, f"http://127.0.0.1:{VLLM_PORT}", model.name, report)
     finally:
         stop(process)

@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     from ray import serve
 
     from serve_app.app import build_app, worker_deployment_name
-    from tools.reliability.soak import _wait_ready
+    from tools.servers import wait_ready
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/default.yaml")
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
         serve.run(build_app(app_args), name="chatserve", route_prefix="/", blocking=False)
         url = f"http://127.0.0.1:{args.port}"
-        _wait_ready(url)
+        wait_ready(url)
         load = FaultLoad(url=url, model=model, concurrency=args.concurrency, max_tokens=args.max_tokens,
                          kill_after_s=args.kill_after, run_after_s=args.run_after)
         for fault, deployment in (("kill worker replica", worker_deployment_name(model)),

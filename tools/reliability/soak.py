@@ -31,6 +31,8 @@ from pathlib import Path
 
 import httpx
 
+from tools.servers import wait_ready
+
 KINDS = ("chat_stream", "chat", "chat_n", "tool_call", "completion", "disconnect")
 COMPLETED, FAILED, LOST = "completed", "failed", "lost"
 CHAT_FINISH = {"stop", "length", "tool_calls"}
@@ -457,7 +459,7 @@ def start_app(config_path: str, app_name: str = "chatserve", port: int = 8000) -
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(app["args"]), name=app_name, route_prefix="/", blocking=False)
     url = f"http://127.0.0.1:{port}"
-    _wait_ready(url)
+    wait_ready(url)
     return url, app["args"]["models"][0]["id"]
 
 
@@ -467,18 +469,6 @@ def stop_app() -> None:
 
     serve.shutdown()
     ray.shutdown()
-
-
-def _wait_ready(url: str, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"{url} not ready after {timeout_s} s")
 
 
 def warm_up(url: str, model: str, max_tokens: int) -> None:

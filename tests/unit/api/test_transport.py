@@ -99,6 +99,17 @@ def publish(workers: FakeWorkers, *replicas: str) -> None:
     ReplicaDirectory.publish(deployment_key(workers.app_name, workers.deployment_name), frozenset(replicas))
 
 
+async def call_on_replica(replica: str = "a"):
+    """(workers, the request's mailbox, its own call, the replica's channel): a request of
+    an ingress whose channel to `replica` is open."""
+    workers = FakeWorkers()
+    transport = WorkerChannels(workers)
+    publish(workers, replica)
+    mailbox = transport.call(request("r"))
+    await settle()
+    return workers, mailbox, workers.calls[0][1], workers.channels[replica][0]
+
+
 def test_channels_follow_the_replicas_the_router_names():
     async def body():
         workers = FakeWorkers()
@@ -141,12 +152,7 @@ def test_a_requests_chunks_come_by_its_replicas_channel_and_its_call_ends_with_a
 
 def test_the_receipt_may_come_before_the_last_channel_entry():
     async def body():
-        workers = FakeWorkers()
-        transport = WorkerChannels(workers)
-        publish(workers, "a")
-        mailbox = transport.call(request("r"))
-        await settle()
-        own_call, channel = workers.calls[0][1], workers.channels["a"][0]
+        _, mailbox, own_call, channel = await call_on_replica()
         own_call.push(ChannelReceipt(entries=1))  # the two streams need not arrive in order
         own_call.close()
         await settle()
@@ -193,12 +199,7 @@ def test_a_stream_that_stops_before_the_request_is_done_ends_it_with_a_503(how):
 
 def test_a_broken_channel_fails_the_requests_it_was_carrying():
     async def body():
-        workers = FakeWorkers()
-        transport = WorkerChannels(workers)
-        publish(workers, "a")
-        mailbox = transport.call(request("r"))
-        await settle()
-        channel = workers.channels["a"][0]
+        _, mailbox, _, channel = await call_on_replica()
         channel.push([("r", text("partial"))])
         await settle()
         channel.fail(RuntimeError("gone"))
