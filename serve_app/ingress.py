@@ -88,7 +88,8 @@ class ChatIngress(HandleAPI):
         self.auth = APIKeyAuth.from_options(self.config.server)  # reads the key env var / file here
         self.media = MediaResolver(self.config.server.media)
         self.workers = {model: over_grpc(handle) for model, handle in workers.items()}
-        self.transports = {model: WorkerChannels(handle) for model, handle in self.workers.items()}
+        self.transports = {model: WorkerChannels(handle, self.config.model(model).resume)
+                           for model, handle in self.workers.items()}
         self._infos: dict[str, ModelInfo] = {}
         for model, transport in self.transports.items():
             transport.start()

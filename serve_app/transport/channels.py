@@ -7,6 +7,12 @@ autoscaling on ongoing requests, cancellation, the error of a dead replica).
 A request names this ingress (`GenerateRequest.ingress_id`); the replica that runs it
 puts its chunks on this ingress's channel when it has one open, else on the request's own
 call. Chunks from either land in the request's mailbox (serve_app/transport/mailbox.py).
+
+Resuming: when a request's stream breaks (its replica died, its channel broke), or its
+replica leaves the router's set (scaled down, replaced by a redeploy: the hand-over is at
+once, not after the grace period), the request is submitted again with a `Continuation`
+(the token ids received per choice) under a new attempt id; Serve routes it to a live
+replica, which goes on from there. Bounded by the model's `resume` config.
 """
 
 from __future__ import annotations
@@ -14,23 +20,37 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 import uuid
 
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.transport.mailbox import RequestMailbox
 from serve_app.transport.router import PIN_KEYWORD, ReplicaDirectory, deployment_key
+from workers.contract.model_config import ResumeConfig
 from workers.contract.requests import GenerateRequest
 
 logger = logging.getLogger("chatserve.ingress")
 
 REOPEN_DELAY_S = 1.0  # between tries to reopen a channel that ended while its replica is still listed
+RETRY_DELAY_S = 0.5  # between tries to resume a request that no replica took yet
+
+
+@dataclasses.dataclass
+class _Losses:
+    """A request's replica losses so far, and since when it has been waiting for a replica."""
+
+    count: int = 0
+    waiting_since: float | None = None
 
 
 class WorkerChannels:
-    def __init__(self, handle: DeploymentHandle) -> None:
+    def __init__(self, handle: DeploymentHandle, resume: ResumeConfig = ResumeConfig()) -> None:
         """`handle`: the worker deployment's handle, options set (e.g. by value over gRPC)."""
         self.ingress_id = uuid.uuid4().hex
+        self.resumes = 0  # requests resumed on another replica (a counter)
+        self._resume = resume
+        self._losses: dict[str, _Losses] = {}
         self._handle = handle
         self._deployment = deployment_key(handle.app_name, handle.deployment_name)
         self._mailboxes: dict[str, RequestMailbox] = {}
@@ -53,11 +73,49 @@ class WorkerChannels:
         """Start the request; its chunks arrive in the returned mailbox."""
         self.start()
         request_id = gen_request.request_id
-        mailbox = RequestMailbox(request_id, gen_request.params.n, lambda: self._mailboxes.pop(request_id, None))
+        mailbox = RequestMailbox(gen_request, lambda: self._forget(mailbox), self._on_broken)
         self._mailboxes[request_id] = mailbox
-        request = dataclasses.replace(gen_request, ingress_id=self.ingress_id)
-        mailbox.start(self._handle.options(stream=True).generate.remote(request))
+        mailbox.start(self._send(gen_request))
         return mailbox
+
+    def _send(self, request: GenerateRequest):
+        return self._handle.options(stream=True).generate.remote(dataclasses.replace(request, ingress_id=self.ingress_id))
+
+    def _forget(self, mailbox: RequestMailbox) -> None:
+        self._mailboxes.pop(mailbox.worker_request_id, None)
+        self._losses.pop(mailbox.request_id, None)
+
+    def _on_broken(self, mailbox: RequestMailbox, reason: str, resumable: bool) -> bool:
+        """Resume the request (True), or let it fail (False: resuming is off, spent, or late)."""
+        if not (self._resume.enabled and resumable):
+            return False
+        losses = self._losses.setdefault(mailbox.request_id, _Losses())
+        now = time.monotonic()
+        retry = losses.waiting_since is not None and not mailbox.attempt_delivered  # still no replica took it
+        if not retry:
+            losses.count += 1
+            losses.waiting_since = now
+        if losses.count > self._resume.max_resumes or now - losses.waiting_since > self._resume.replica_wait_s:
+            return False
+        logger.info("resuming request %s on another replica (%s)", mailbox.request_id, reason)
+        asyncio.get_running_loop().call_later(RETRY_DELAY_S if retry else 0.0, self._restart, mailbox, losses)
+        return True
+
+    def _restart(self, mailbox: RequestMailbox, losses: _Losses) -> None:
+        if mailbox.complete or self._mailboxes.get(mailbox.worker_request_id) is not mailbox:
+            return  # it ended (or was cancelled) meanwhile
+        del self._mailboxes[mailbox.worker_request_id]
+        attempt = f"{mailbox.request_id}~{uuid.uuid4().hex[:8]}"
+        self._mailboxes[attempt] = mailbox
+        request = dataclasses.replace(mailbox.request, request_id=attempt, resume=mailbox.continuation())
+        self.resumes += 1
+        mailbox.restart(self._send(request), attempt)
+
+    def _hand_over(self, replica: str) -> None:
+        """A replica left the router's set (stopping, or dead): move its requests now."""
+        for mailbox in list(self._mailboxes.values()):
+            if mailbox.replica == replica and not mailbox.complete:
+                mailbox.broke(f"replica {replica} is leaving")
 
     @property
     def open_channels(self) -> int:
@@ -75,6 +133,7 @@ class WorkerChannels:
             self._readers[replica] = asyncio.create_task(self._read(replica))
         for replica in self._readers.keys() - replica_ids:
             self._readers.pop(replica).cancel()
+            self._hand_over(replica)
 
     async def _read(self, replica: str) -> None:
         """Keep this replica's channel open and deliver what it carries, until it is gone."""
@@ -103,4 +162,4 @@ class WorkerChannels:
     def _channel_broke(self, replica: str, reason: str) -> None:
         for mailbox in list(self._mailboxes.values()):
             if mailbox.replica == replica:
-                mailbox.channel_broke(reason)
+                mailbox.broke(f"its channel ended: {reason}")

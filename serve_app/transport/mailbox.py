@@ -3,8 +3,11 @@ the channel of the worker replica that runs it; read as a stream of chunks.
 
 Chunks that arrive while the reader is busy (writing to the client) merge per choice
 (workers/contract/coalescing.py), so a slow client costs one event per write, not one
-per token. The request is complete when every choice has finished or an error came; a
-stream that ends before that is a broken one and ends with a 503 `worker_failed` chunk.
+per token. The request is complete when every choice has finished or an error came.
+A stream that breaks first (the replica died, its channel broke, or it ended early) is
+handed to `on_broken`, which may resume the request elsewhere from the token ids this
+mailbox received (serve_app/transport/channels.py); otherwise the request ends with a
+503 `worker_failed` chunk.
 """
 
 from __future__ import annotations
@@ -14,10 +17,13 @@ import collections
 import logging
 from collections.abc import Callable
 
+from ray.exceptions import RayTaskError
 from ray.serve.exceptions import BackPressureError
 
 from workers.contract.chunks import ErrorInfo, GenerationChunk
 from workers.contract.coalescing import CoalescingQueue
+from workers.contract.continuation import ChoiceProgress, Continuation
+from workers.contract.requests import GenerateRequest
 from workers.contract.transport import ChannelReceipt
 
 logger = logging.getLogger("chatserve.ingress")
@@ -29,46 +35,76 @@ def worker_failed(reason: str) -> GenerationChunk:
 
 
 class RequestMailbox:
-    def __init__(self, request_id: str, num_choices: int, release: Callable[[], None] = lambda: None) -> None:
-        """`release` runs once when the request is done with (read to the end, or cancelled)."""
-        self.request_id = request_id
+    def __init__(self, request: GenerateRequest, release: Callable[[], None] = lambda: None,
+                 on_broken: Callable[[RequestMailbox, str, bool], bool] = lambda mailbox, reason, resumable: False,
+                 ) -> None:
+        """`release` runs once when the request is done with (read to the end, or cancelled).
+        `on_broken(mailbox, reason, resumable)` is told of a broken stream; True: it resumes
+        the request (`restart` follows), False: the request ends with a 503."""
+        self.request = request
+        self.request_id = request.request_id
+        self.worker_request_id = request.request_id  # the current attempt's id on the worker
         self.replica: str | None = None  # the worker replica whose channel delivered to it, once known
+        self.attempt_delivered = False  # the current attempt has delivered a chunk
         self._queue = CoalescingQueue()
         self._ready = asyncio.Event()
         self._taken: collections.deque[GenerationChunk] = collections.deque()
-        self._unfinished = set(range(num_choices))
+        n = request.params.n
+        self._received: list[list[int]] = [[] for _ in range(n)]  # token ids per choice, for a resume
+        self._unfinished = set(range(n))
         self._failed = False  # an error chunk arrived: nothing follows it
         self._overloaded: BackPressureError | None = None
         self._control: asyncio.Task | None = None
         self._call = None
         self._control_done = False
         self._expected: int | None = None  # channel entries the worker says it sent
-        self._received = 0  # channel entries that arrived
-        self._arrived = False  # any chunk, by either way
+        self._channel_entries = 0  # channel entries that arrived
+        self._arrived = False  # any chunk, by either way, any attempt
         self._release = release
+        self._on_broken = on_broken
 
     def start(self, call) -> None:
         """Read the worker call (its own chunks, or the receipt of what its replica's channel sent)."""
         self._call = call
         self._control = asyncio.create_task(self._read_control(call))
 
+    def restart(self, call, worker_request_id: str) -> None:
+        """Go on with a new attempt (a continuation on another replica); the old call is dropped."""
+        self._stop_call()
+        self.worker_request_id = worker_request_id
+        self.replica = None
+        self.attempt_delivered = False
+        self._control_done = False
+        self._expected = None
+        self._channel_entries = 0
+        self.start(call)
+
+    def continuation(self) -> Continuation:
+        """What the client has of each choice (the ids of the chunks received)."""
+        return Continuation(tuple(ChoiceProgress(tuple(ids), i not in self._unfinished)
+                                  for i, ids in enumerate(self._received)))
+
     def put(self, chunk: GenerationChunk, from_channel: bool = False, replica: str | None = None) -> None:
         if from_channel:
-            self._received += 1
+            self._channel_entries += 1
             self.replica = self.replica or replica
-        self._arrived = True
+        self._arrived = self.attempt_delivered = True
         if chunk.error is not None:
             self._failed = True
-        elif chunk.finish_reason is not None:
-            self._unfinished.discard(chunk.index)
+        else:
+            self._received[chunk.index].extend(chunk.token_ids)
+            if chunk.finish_reason is not None:
+                self._unfinished.discard(chunk.index)
         self._queue.put(self.request_id, chunk)
         self._ready.set()
         if self.complete:
             self._release_once()  # nothing more can come for it
 
-    def channel_broke(self, reason: str) -> None:
-        """The channel this request's chunks came by ended: what it did not deliver never will."""
-        if not self.complete:
+    def broke(self, reason: str, resumable: bool = True) -> None:
+        """The stream of the current attempt broke: resume the request, or end it with a 503."""
+        if self.complete:
+            return
+        if not self._on_broken(self, reason, resumable):
             self.put(worker_failed(reason))
 
     @property
@@ -87,10 +123,11 @@ class RequestMailbox:
                 raise self._overloaded
             if self.complete:
                 raise StopAsyncIteration
-            if self._control_done and self._received >= (self._expected or 0):
+            if self._control_done and self._channel_entries >= (self._expected or 0):
                 if not self._arrived:
                     raise StopAsyncIteration  # nothing at all: the caller says so (an empty call is a bug)
-                self.put(worker_failed("its stream ended before the request did"))
+                self._control_done = False  # handled once
+                self.broke("its stream ended before the request did")
                 continue
             self._ready.clear()
             await self._ready.wait()
@@ -98,11 +135,14 @@ class RequestMailbox:
 
     def cancel(self) -> None:
         """Stop the request (the client left, or the reader stopped early); frees the worker's sequence."""
+        self._stop_call()
+        self._release_once()
+
+    def _stop_call(self) -> None:
         if self._call is not None:
             self._call.cancel()
         if self._control is not None:
             self._control.cancel()
-        self._release_once()
 
     async def _read_control(self, call) -> None:
         try:
@@ -113,16 +153,20 @@ class RequestMailbox:
                     for chunk in message:
                         self.put(chunk)
         except BackPressureError as exc:
-            self._overloaded = exc
-            self._release_once()
+            if self._arrived:  # a resumed request: its client is waiting; try again
+                self.broke("every replica is busy")
+            else:
+                self._overloaded = exc
+                self._release_once()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - any worker-side failure ends this request only
             logger.warning("model worker call failed: %s", type(exc).__name__)
-            self.put(worker_failed(type(exc).__name__))
-        finally:
-            self._control_done = True
-            self._ready.set()
+            # The worker's own code raising is a bug a retry repeats; a dead replica is not.
+            self.broke(type(exc).__name__, resumable=not isinstance(exc, RayTaskError))
+            return
+        self._control_done = True
+        self._ready.set()
 
     def _release_once(self) -> None:
         release, self._release = self._release, lambda: None

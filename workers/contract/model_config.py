@@ -91,6 +91,18 @@ class DeploymentConfig(_Strict):
         return options
 
 
+class ResumeConfig(_Strict):
+    """How a request outlives the worker replica serving it (serve_app/transport/)."""
+
+    enabled: bool = Field(True, description="a request whose worker replica dies, is scaled down or is replaced "
+                          "goes on from the tokens already sent, on another replica of the model (the client's "
+                          "stream pauses); false: it ends with a 503 worker_failed error")
+    max_resumes: int = Field(3, ge=0, le=100, description="replica losses one request survives; the next one "
+                             "ends it with 503 worker_failed")
+    replica_wait_s: float = Field(60, gt=0, description="how long a broken request keeps trying to reach a "
+                                  "replica (a new one may be starting) before it ends with 503 worker_failed")
+
+
 class ModelConfig(_Strict):
     id: str = Field(min_length=1, description="the name clients pass as `model`")
     source: str = Field(
@@ -107,6 +119,7 @@ class ModelConfig(_Strict):
     fuse_projections: bool = Field(
         True, description="run each layer's q/k/v projections, and its gate/up projections, as one matrix "
         "multiply each (fewer, wider weight passes)")
+    resume: ResumeConfig = Field(ResumeConfig(), description="resuming requests on another replica")
     engine: EngineConfig = Field(EngineConfig(), description="the continuous-batching engine's limits and options")
     deployment: DeploymentConfig = Field(
         DeploymentConfig(), description="Ray Serve options of the model's worker deployment")

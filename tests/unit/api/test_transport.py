@@ -20,11 +20,14 @@ from serve_app.transport.router import (
     deployment_key,
 )
 from workers.contract.chunks import GenerationChunk
+from workers.contract.model_config import ResumeConfig
 from workers.contract.requests import GenerateRequest
 from workers.contract.sampling_params import SamplingParams
 from workers.contract.transport import ChannelReceipt
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Ray's pydantic models
+
+NO_RESUME = ResumeConfig(enabled=False)
 
 
 def text(piece: str, finish: str | None = None, index: int = 0) -> GenerationChunk:
@@ -99,11 +102,11 @@ def publish(workers: FakeWorkers, *replicas: str) -> None:
     ReplicaDirectory.publish(deployment_key(workers.app_name, workers.deployment_name), frozenset(replicas))
 
 
-async def call_on_replica(replica: str = "a"):
+async def call_on_replica(replica: str = "a", resume: ResumeConfig = ResumeConfig(enabled=False)):
     """(workers, the request's mailbox, its own call, the replica's channel): a request of
     an ingress whose channel to `replica` is open."""
     workers = FakeWorkers()
-    transport = WorkerChannels(workers)
+    transport = WorkerChannels(workers, resume)
     publish(workers, replica)
     mailbox = transport.call(request("r"))
     await settle()
@@ -182,7 +185,7 @@ def test_a_slow_reader_gets_the_backlog_as_one_chunk():
 def test_a_stream_that_stops_before_the_request_is_done_ends_it_with_a_503(how):
     async def body():
         workers = FakeWorkers()
-        transport = WorkerChannels(workers)
+        transport = WorkerChannels(workers, NO_RESUME)
         mailbox = transport.call(request("r"))
         own_call = workers.calls[0][1]
         own_call.push([text("partial")])
@@ -211,7 +214,7 @@ def test_a_broken_channel_fails_the_requests_it_was_carrying():
 
 def test_n_choices_complete_when_each_has_finished():
     async def body():
-        mailbox = RequestMailbox("r", 2)
+        mailbox = RequestMailbox(request("r", n=2))
         mailbox.put(text("a", "stop", index=0))
         assert not mailbox.complete
         mailbox.put(text("b", "length", index=1))
@@ -242,3 +245,98 @@ def test_the_router_sends_a_pinned_call_to_that_replica_only():
     choose = WorkerRouter.choose_replicas
     assert asyncio.run(choose(None, [a, b], pinned)) == [[b]]
     assert asyncio.run(choose(None, [a, b], gone)) == [[]]  # nothing yet: Serve retries
+
+
+# ------------------------------------------------------------------------------ resuming
+
+
+def ids(*values: int) -> list[int]:
+    return list(values)
+
+
+def piece(text_: str, token_ids: list[int], finish: str | None = None, index: int = 0) -> GenerationChunk:
+    return GenerationChunk(index=index, text=text_, token_ids=token_ids, finish_reason=finish)
+
+
+def test_a_broken_stream_resumes_on_another_replica_from_the_ids_received():
+    async def body():
+        workers, mailbox, own_call, channel = await call_on_replica(resume=ResumeConfig())
+        channel.push([("r", piece("Hel", ids(1, 2)))])
+        first = await anext(mailbox)
+        own_call.fail(RuntimeError("ActorDiedError"))  # the replica died
+        await settle()
+        resumed, second_call = workers.calls[1]
+        second_call.push([piece("lo", ids(3), "stop")])  # no channel to the new replica yet: by the call
+        second_call.close()
+        rest = [c async for c in mailbox]
+        return first, rest, resumed
+
+    first, rest, resumed = asyncio.run(body())
+    assert first.text + "".join(c.text for c in rest) == "Hello"
+    assert all(c.error is None for c in rest) and rest[-1].finish_reason == "stop"
+    assert resumed.request_id.startswith("r~") and resumed.resume.choices[0].token_ids == (1, 2)
+    assert not resumed.resume.choices[0].finished and resumed.messages == request("r").messages
+
+
+def test_late_chunks_of_the_broken_attempt_are_dropped():
+    async def body():
+        workers, mailbox, own_call, channel = await call_on_replica(resume=ResumeConfig())
+        channel.push([("r", piece("a", ids(1)))])
+        await anext(mailbox)
+        own_call.fail(RuntimeError("ActorDiedError"))
+        await settle()
+        channel.push([("r", piece("late", ids(9)))])  # the old attempt's id: nobody listens
+        second_call = workers.calls[1][1]
+        second_call.push([piece("b", ids(2), "length")])
+        second_call.close()
+        return [c.text async for c in mailbox]
+
+    assert asyncio.run(body()) == ["b"]
+
+
+def test_a_worker_bug_is_not_resumed():
+    from ray.exceptions import RayTaskError
+
+    async def body():
+        workers, mailbox, own_call, channel = await call_on_replica(resume=ResumeConfig())
+        channel.push([("r", piece("a", ids(1)))])
+        await anext(mailbox)
+        own_call.fail(RayTaskError("generate", "Traceback", ValueError("bug")))
+        return [c async for c in mailbox], len(workers.calls)
+
+    (failed,), calls = asyncio.run(body())
+    assert failed.error.code == "worker_failed" and calls == 1
+
+
+def test_resumes_are_bounded_then_the_request_fails():
+    async def body():
+        workers, mailbox, own_call, channel = await call_on_replica(resume=ResumeConfig(max_resumes=1))
+        channel.push([("r", piece("a", ids(1)))])
+        await anext(mailbox)
+        own_call.fail(RuntimeError("ActorDiedError"))
+        await settle()
+        second_call = workers.calls[1][1]
+        second_call.push([piece("b", ids(2))])
+        await anext(mailbox)
+        second_call.fail(RuntimeError("ActorDiedError"))  # a second loss: over the bound
+        return [c async for c in mailbox], len(workers.calls)
+
+    (failed,), calls = asyncio.run(body())
+    assert failed.error.code == "worker_failed" and calls == 2
+
+
+def test_a_replica_leaving_the_router_hands_its_requests_over_at_once():
+    async def body():
+        workers, mailbox, own_call, channel = await call_on_replica(resume=ResumeConfig())
+        channel.push([("r", piece("a", ids(1)))])
+        await anext(mailbox)
+        publish(workers, "b")  # "a" is scaled down or replaced
+        await settle()
+        assert own_call.cancelled  # the old replica frees the sequence now
+        resumed, second_call = workers.calls[1]
+        second_call.push([piece("b", ids(2), "stop")])
+        second_call.close()
+        return [c.text async for c in mailbox], resumed.resume
+
+    rest, continuation = asyncio.run(body())
+    assert rest == ["b"] and continuation.choices[0].token_ids == (1,)
