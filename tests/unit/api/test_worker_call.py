@@ -19,10 +19,13 @@ from serve_app.http.metrics import STATUS_CLIENT_GONE, IngressMetrics
 from serve_app.transport.channels import WorkerChannels
 from serve_app.worker_call import accumulate, call_worker, relay
 from workers.contract.chunks import ErrorInfo, GenerationChunk
+from workers.contract.model_config import ResumeConfig
 from workers.contract.requests import GenerateRequest
 from workers.contract.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Ray's pydantic models
+
+NO_RESUME = ResumeConfig(enabled=False)  # resuming has its own tests (test_transport.py)
 
 REQUEST = GenerateRequest(request_id="r", params=SamplingParams(), prompt="Once")
 USER = [{"role": "user", "content": "Hi"}]
@@ -84,7 +87,7 @@ def called(items: list, then=None, **kwargs):
     handle = FakeHandle(items)
 
     async def body():
-        call = await call_worker(WorkerChannels(handle), REQUEST, **kwargs)
+        call = await call_worker(WorkerChannels(handle, NO_RESUME), REQUEST, **kwargs)
         return await then(call) if then is not None else call
 
     return handle, asyncio.run(body())
@@ -108,7 +111,7 @@ def test_a_worker_error_in_the_first_chunk_keeps_its_status_and_renames_its_para
     error = ErrorInfo(400, "too long", param="messages", code="context_length_exceeded")
     handle = FakeHandle([GenerationChunk(error=error)])
     with pytest.raises(APIError) as info:
-        asyncio.run(call_worker(WorkerChannels(handle), REQUEST, {"messages": "prompt"}))
+        asyncio.run(call_worker(WorkerChannels(handle, NO_RESUME), REQUEST, {"messages": "prompt"}))
     assert (info.value.status, info.value.param, info.value.code) == (400, "prompt", "context_length_exceeded")
     assert handle.call.cancelled
 
@@ -142,7 +145,7 @@ def test_accumulate_cancels_the_call_when_a_chunk_is_an_error():
     handle = FakeHandle(items)
 
     async def body():
-        call = await call_worker(WorkerChannels(handle), REQUEST)
+        call = await call_worker(WorkerChannels(handle, NO_RESUME), REQUEST)
         await accumulate(CompletionAccumulator("r", "m"), call)
 
     with pytest.raises(APIError):
