@@ -55,6 +55,7 @@ class WorkerChannels:
         self._deployment = deployment_key(handle.app_name, handle.deployment_name)
         self._mailboxes: dict[str, RequestMailbox] = {}
         self._readers: dict[str, asyncio.Task] = {}  # worker replica -> the task reading its channel
+        self._replicas: frozenset[str] = frozenset()  # the replicas the router names now
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
@@ -84,6 +85,8 @@ class WorkerChannels:
     def _forget(self, mailbox: RequestMailbox) -> None:
         self._mailboxes.pop(mailbox.worker_request_id, None)
         self._losses.pop(mailbox.request_id, None)
+        if mailbox.replica is not None:
+            self._close_if_idle(mailbox.replica)
 
     def _on_broken(self, mailbox: RequestMailbox, reason: str, resumable: bool) -> bool:
         """Resume the request (True), or let it fail (False: resuming is off, spent, or late)."""
@@ -129,11 +132,21 @@ class WorkerChannels:
             ReplicaDirectory.unsubscribe(self._deployment, self._on_replicas)
 
     def _follow(self, replica_ids: frozenset[str]) -> None:
+        self._replicas = replica_ids
         for replica in replica_ids - self._readers.keys():
             self._readers[replica] = asyncio.create_task(self._read(replica))
         for replica in self._readers.keys() - replica_ids:
+            if replica_ids:  # another replica can take its requests: move them now
+                self._hand_over(replica)
+            self._close_if_idle(replica)
+
+    def _close_if_idle(self, replica: str) -> None:
+        """Close the channel of a replica that left the router's set, once no request uses
+        it: a replica stopping with no other to hand over to finishes its requests first
+        (within its graceful shutdown), and their chunks still come by this channel."""
+        if replica in self._readers and replica not in self._replicas and \
+                not any(m.replica == replica and not m.complete for m in self._mailboxes.values()):
             self._readers.pop(replica).cancel()
-            self._hand_over(replica)
 
     async def _read(self, replica: str) -> None:
         """Keep this replica's channel open and deliver what it carries, until it is gone."""

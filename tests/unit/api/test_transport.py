@@ -340,3 +340,19 @@ def test_a_replica_leaving_the_router_hands_its_requests_over_at_once():
 
     rest, continuation = asyncio.run(body())
     assert rest == ["b"] and continuation.choices[0].token_ids == (1,)
+
+
+def test_a_replica_stopping_with_none_to_take_over_finishes_its_requests_on_its_channel():
+    async def body():
+        workers, mailbox, own_call, channel = await call_on_replica(resume=ResumeConfig())
+        channel.push([("r", piece("a", ids(1)))])
+        await anext(mailbox)
+        publish(workers)  # the app is being deleted: no replica left to resume on
+        await settle()
+        assert not own_call.cancelled and not channel.cancelled and len(workers.calls) == 1
+        channel.push([("r", piece("b", ids(2), "length"))])  # it finishes within its grace period
+        rest = [c.text async for c in mailbox]
+        await settle()
+        return rest, channel.cancelled
+
+    assert asyncio.run(body()) == (["b"], True)  # then its channel closes
