@@ -26,7 +26,11 @@ import uuid
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.transport.mailbox import RequestMailbox
-from serve_app.transport.router import PIN_KEYWORD, ReplicaDirectory, deployment_key
+from serve_app.transport.replica_directory import (
+    PIN_KEYWORD,
+    ReplicaDirectory,
+    deployment_key,
+)
 from workers.contract.model_config import ResumeConfig
 from workers.contract.requests import GenerateRequest
 

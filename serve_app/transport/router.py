@@ -4,61 +4,27 @@ Requests are routed as Serve's default router routes them (power of two choices 
 replicas with room), with one addition: a call that names a replica (`replica=` keyword,
 the ingress's channel opens) goes to that replica and no other. The router runs inside
 each caller's process; it publishes the replica set it sees to that process's
-`ReplicaDirectory`, so the ingress's channels follow replicas as they come and go.
+`ReplicaDirectory` (serve_app/transport/replica_directory.py), so the ingress's channels
+follow replicas as they come and go.
+
+Serve ships this module to the callers pickled by value: state shared with the ingress
+must live in another module (the directory does), or each side would hold its own copy.
 """
 
 from __future__ import annotations
-
-import threading
-from collections.abc import Callable
 
 from ray.serve._private.request_router.pow_2_router import (
     PowerOfTwoChoicesRequestRouter,
 )
 from ray.serve.request_router import PendingRequest, RunningReplica
 
+from serve_app.transport.replica_directory import (
+    PIN_KEYWORD,
+    ReplicaDirectory,
+    deployment_key,
+)
+
 ROUTER_CLASS = "serve_app.transport.router:WorkerRouter"
-PIN_KEYWORD = "replica"  # a call's keyword argument naming the replica it must go to
-
-Listener = Callable[[frozenset[str]], None]
-
-
-class ReplicaDirectory:
-    """Per process: the replicas each deployment's router knows, and who wants to hear of
-    changes. Routers run on Serve's router loop (a thread of its own by default), listeners
-    on an ingress's loop: a listener must hop to its loop itself."""
-
-    _lock = threading.Lock()
-    _replicas: dict[str, frozenset[str]] = {}
-    _listeners: dict[str, list[Listener]] = {}
-
-    @classmethod
-    def publish(cls, deployment: str, replica_ids: frozenset[str]) -> None:
-        with cls._lock:
-            cls._replicas[deployment] = replica_ids
-            listeners = list(cls._listeners.get(deployment, ()))
-        for listener in listeners:
-            listener(replica_ids)
-
-    @classmethod
-    def subscribe(cls, deployment: str, listener: Listener) -> None:
-        """Call `listener` now with the replicas known (if any), then on every change."""
-        with cls._lock:
-            cls._listeners.setdefault(deployment, []).append(listener)
-            known = cls._replicas.get(deployment)
-        if known is not None:
-            listener(known)
-
-    @classmethod
-    def unsubscribe(cls, deployment: str, listener: Listener) -> None:
-        with cls._lock:
-            listeners = cls._listeners.get(deployment, [])
-            if listener in listeners:
-                listeners.remove(listener)
-
-
-def deployment_key(app_name: str, deployment_name: str) -> str:
-    return f"{app_name}/{deployment_name}"
 
 
 def replica_key(replica: RunningReplica) -> str:
