@@ -256,3 +256,21 @@ def test_worker_calls_go_over_grpc_by_value(tiny_app):
     assert all(isinstance(chunk, GenerationChunk) for chunk in chunks)
     assert sum(len(chunk.token_ids) for chunk in chunks) == 5
     assert chunks[-1].finish_reason == "length" and chunks[-1].completion_tokens == 5
+
+
+def test_requests_come_back_by_the_ingress_channel(client, tiny_app):
+    """The ingress keeps one channel open to the worker replica, and requests' chunks go by
+    it (serve_app/transport/): not by their own calls, once it is open."""
+    deadline = time.monotonic() + 30
+    while worker_stats("tiny", TINY_MODEL_ID).open_channels < 1:
+        assert time.monotonic() < deadline, "the ingress never opened a channel to the worker"
+        time.sleep(0.2)
+    before = worker_stats("tiny", TINY_MODEL_ID)
+    for stream in (False, True):
+        out = client.chat.completions.create(model=TINY_MODEL_ID, messages=MESSAGES, max_tokens=4, stream=stream)
+        if stream:
+            list(out)
+    after = worker_stats("tiny", TINY_MODEL_ID)
+    assert after.open_channels == 1
+    assert after.requests_by_channel - before.requests_by_channel == 2
+    assert after.requests_by_call == before.requests_by_call

@@ -32,4 +32,7 @@ class WorkerStats:
     prefix_cache_hit_tokens: int = 0  # ... and found there
     pid: int = 0  # the replica's process: a new pid means the replica was replaced
     rss_bytes: int = 0  # its resident memory (Linux; 0 elsewhere)
+    open_channels: int = 0  # ingress replicas with a channel open here (serve_app/transport/)
+    requests_by_channel: int = 0  # counters: requests whose chunks went by their ingress's channel
+    requests_by_call: int = 0  # ... and by their own call (no channel open yet)
 

@@ -57,6 +57,7 @@ class ModelWorker:
         self.processor = RequestProcessor(self.engine, loaded.tokenizer, timeouts, vision_prompts(loaded, self.config),
                                           stream_interval=engine_config.stream_interval)
         self.channels = ChannelRegistry()
+        self._requests_by_channel = self._requests_by_call = 0
         logger.info("model %s ready: %s", self.config.id, self.info())
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[list[GenerationChunk] | ChannelReceipt]:
@@ -66,9 +67,11 @@ class ModelWorker:
         a timer). Cancelling the call aborts the request."""
         outbox = self.channels.get(request.ingress_id)
         if outbox is None:
+            self._requests_by_call += 1
             async for batch in self.processor.stream(request):
                 yield batch
             return
+        self._requests_by_channel += 1
         await until_closed(outbox, asyncio.create_task(self.processor.run_guarded(request, outbox)))
         yield await outbox.receipt(request.request_id)
 
@@ -112,6 +115,9 @@ class ModelWorker:
             prefix_cache_hit_tokens=engine.prefix_cache_hit_tokens,
             pid=os.getpid(),
             rss_bytes=_resident_bytes(),
+            open_channels=len(self.channels),
+            requests_by_channel=self._requests_by_channel,
+            requests_by_call=self._requests_by_call,
         )
 
     def check_health(self) -> None:
