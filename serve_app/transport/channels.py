@@ -116,7 +116,10 @@ class WorkerChannels:
         self._mailboxes[attempt] = mailbox
         request = dataclasses.replace(mailbox.request, request_id=attempt, resume=mailbox.continuation())
         self.resumes += 1
+        left = mailbox.replica
         mailbox.restart(self._send(request), attempt)
+        if left is not None:
+            self._close_if_idle(left)  # the last request of a replica that left: its channel goes
 
     def _hand_over(self, replica: str) -> None:
         """A replica left the router's set (stopping, or dead): move its requests now."""

@@ -46,6 +46,7 @@ class RequestMailbox:
         self.worker_request_id = request.request_id  # the current attempt's id on the worker
         self.replica: str | None = None  # the worker replica whose channel delivered to it, once known
         self.attempt_delivered = False  # the current attempt has delivered a chunk
+        self._broken_attempt: str | None = None  # the attempt whose break was handled
         self._queue = CoalescingQueue()
         self._ready = asyncio.Event()
         self._taken: collections.deque[GenerationChunk] = collections.deque()
@@ -101,9 +102,11 @@ class RequestMailbox:
             self._release_once()  # nothing more can come for it
 
     def broke(self, reason: str, resumable: bool = True) -> None:
-        """The stream of the current attempt broke: resume the request, or end it with a 503."""
-        if self.complete:
+        """The stream of the current attempt broke: resume the request, or end it with a 503.
+        Handled once per attempt: its call and its channel often break together."""
+        if self.complete or self._broken_attempt == self.worker_request_id:
             return
+        self._broken_attempt = self.worker_request_id
         if not self._on_broken(self, reason, resumable):
             self.put(worker_failed(reason))
 

@@ -34,8 +34,7 @@ def replica_key(replica: RunningReplica) -> str:
 class WorkerRouter(PowerOfTwoChoicesRequestRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        ReplicaDirectory.publish(deployment_key(self._deployment_id.app_name, self._deployment_id.name),
-                                 frozenset(replica_key(r) for r in replicas))
+        self._publish()
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -44,4 +43,17 @@ class WorkerRouter(PowerOfTwoChoicesRequestRouter):
             return await super().choose_replicas(candidate_replicas, pending_request)
         # No other replica will do: an empty answer makes Serve retry (the replica may be
         # full for a moment) until the caller gives up (it cancels once the replica is gone).
+        # Serve retries without sleeping unless told to back off: a pinned call to a dead
+        # replica would otherwise spin the router's loop and stall every other call.
+        pending_request.routing_context.should_backoff = True
         return [[r for r in candidate_replicas if replica_key(r) == pinned]]
+
+    def on_replica_actor_died(self, replica_id) -> None:
+        # Serve drops a dead replica here, long before the controller's next update:
+        # tell the channels now, so its requests move on and its channel stops reopening.
+        super().on_replica_actor_died(replica_id)
+        self._publish()
+
+    def _publish(self) -> None:
+        ReplicaDirectory.publish(deployment_key(self._deployment_id.app_name, self._deployment_id.name),
+                                 frozenset(replica_key(r) for r in self._replicas.values()))

@@ -240,11 +240,34 @@ def test_the_router_sends_a_pinned_call_to_that_replica_only():
         return SimpleNamespace(replica_id=SimpleNamespace(unique_id=name))
 
     a, b = replica("a"), replica("b")
-    pinned = SimpleNamespace(kwargs={PIN_KEYWORD: "b"})
-    gone = SimpleNamespace(kwargs={PIN_KEYWORD: "z"})
+    pinned = SimpleNamespace(kwargs={PIN_KEYWORD: "b"}, routing_context=SimpleNamespace(should_backoff=False))
+    gone = SimpleNamespace(kwargs={PIN_KEYWORD: "z"}, routing_context=SimpleNamespace(should_backoff=False))
     choose = WorkerRouter.choose_replicas
     assert asyncio.run(choose(None, [a, b], pinned)) == [[b]]
-    assert asyncio.run(choose(None, [a, b], gone)) == [[]]  # nothing yet: Serve retries
+    assert asyncio.run(choose(None, [a, b], gone)) == [[]]  # nothing yet: Serve retries...
+    # ...sleeping between tries: a retry without a sleep would spin the router's loop.
+    assert gone.routing_context.should_backoff
+
+
+def test_the_router_tells_the_channels_of_a_dead_replica_at_once():
+    """Serve drops a dead replica from its router before the controller's next update; the
+    channels hear of it then, not seconds later."""
+    from ray.serve._private.common import DeploymentID
+
+    def replica(name: str):
+        return SimpleNamespace(replica_id=SimpleNamespace(unique_id=name))
+
+    router = WorkerRouter.__new__(WorkerRouter)  # only the state a replica's death touches
+    router._deployment_id = DeploymentID(name=f"workers-{uuid.uuid4().hex}", app_name="app")
+    router._replicas = {"a": replica("a"), "b": replica("b")}
+    router._replica_id_set = {"a", "b"}
+    router._queue_len_gauge_last_update = {}
+    router._colocated_replica_ids = {}
+    router._multiplexed_model_id_to_replica_ids = {}
+    heard: list[frozenset[str]] = []
+    ReplicaDirectory.subscribe(deployment_key("app", router._deployment_id.name), heard.append)
+    router.on_replica_actor_died("a")
+    assert heard == [frozenset({"b"})]
 
 
 # ------------------------------------------------------------------------------ resuming
@@ -340,6 +363,30 @@ def test_a_replica_leaving_the_router_hands_its_requests_over_at_once():
 
     rest, continuation = asyncio.run(body())
     assert rest == ["b"] and continuation.choices[0].token_ids == (1,)
+
+
+def test_a_dead_replicas_call_and_channel_breaking_together_resume_the_request_once(monkeypatch):
+    monkeypatch.setattr("serve_app.transport.channels.REOPEN_DELAY_S", 0.01)
+
+    async def body():
+        workers, mailbox, own_call, channel = await call_on_replica(resume=ResumeConfig())
+        channel.push([("r", piece("a", ids(1)))])
+        await anext(mailbox)
+        own_call.fail(RuntimeError("ActorDiedError"))
+        channel.fail(RuntimeError("ActorDiedError"))
+        publish(workers, "b")  # the router dropped the dead replica
+        await settle()
+        resumed_calls = len(workers.calls) - 1
+        second_call = workers.calls[-1][1]
+        second_call.push([piece("b", ids(2), "stop")])
+        second_call.close()
+        rest = [c.text async for c in mailbox]
+        await asyncio.sleep(0.05)  # several reopening delays
+        return resumed_calls, rest, len(workers.channels["a"])
+
+    resumed_calls, rest, channels_to_the_dead_replica = asyncio.run(body())
+    assert resumed_calls == 1 and rest == ["b"]
+    assert channels_to_the_dead_replica == 1  # not reopened once the replica left
 
 
 def test_a_replica_stopping_with_none_to_take_over_finishes_its_requests_on_its_channel():
