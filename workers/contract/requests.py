@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from workers.contract.lora import LoraRequest
 from workers.contract.sampling_params import SamplingParams
 
 
@@ -52,4 +53,5 @@ class GenerateRequest:
     tools: list[dict[str, Any]] | None = None  # OpenAI tool objects the model may call
     tool_prompt: ToolPrompt | None = None  # used when the chat template ignores tools
     reasoning_start: str | None = None  # e.g. "<think>": the worker reports a prompt ending with it
+    lora: LoraRequest | None = None  # the adapter `model` named (None: the base model)
 
