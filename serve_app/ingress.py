@@ -1,16 +1,16 @@
-"""The Ray Serve ingress deployment: HTTP routes, API keys, validation, streaming, errors.
+"""The Ray Serve ingress deployment: its routes, and what each does before the worker call.
 
-It holds no model: each request is checked against the API keys (serve_app/auth.py),
-validated here, then sent to the worker deployment of the requested model through a
-streaming `DeploymentHandle` call. The first worker chunk is awaited before the
-response starts, so errors found by the worker (context window, template) still get
-their own status code; after that, errors travel as a final SSE event before `[DONE]`.
+It holds no model: each request is checked against the API keys (serve_app/http/auth.py),
+validated by its dialect's request model (every rule of the dialect at parse time),
+translated to the worker's `GenerateRequest`, then answered through the one worker call
+(serve_app/worker_call.py: first chunk awaited, so worker errors keep their status;
+after that, errors travel as a final SSE event before `[DONE]`).
 
 Routes and the module that holds each dialect: `/v1/chat/completions`
-(chat_completions.py), `/lm/v2/chat/completions` (lm_v2.py), `/v1/completions`
-(completions.py). Each dialect supplies a request -> GenerateRequest translation, a
-streamer (`events(first, rest)` -> SSE text) and an accumulator (`add(chunk)`,
-`result().dump_json()`); the worker call itself is `_respond`, shared by all.
+(dialects/chat/), `/lm/v2/chat/completions` (dialects/lm_v2.py), `/v1/completions`
+(dialects/completions.py). Each dialect supplies a request -> GenerateRequest translation,
+a streamer (`events(first, rest)` -> SSE text) and an accumulator (`add(chunk)`,
+`result().dump_json()`).
 """
 
 
@@ -18,13 +18,11 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
-from typing import Any, Protocol
+from collections.abc import Mapping
+from typing import Any
 
 from fastapi import FastAPI, Request
-from pydantic import ValidationError
 from ray import serve
-from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -36,25 +34,25 @@ from serve_app.dialects.chat.translate import new_request_id, to_generate_reques
 from serve_app.dialects.common import ModelCard, ModelList
 from serve_app.handle_api import HandleAPI
 from serve_app.http.auth import APIKeyAuth
-from serve_app.http.errors import (
-    APIError,
-    invalid_unicode,
-    not_found_model,
-    validation_error,
-)
+from serve_app.http.errors import APIError, not_found_model
 from serve_app.http.metrics import (
     CONTENT_TYPE,
     STATUS_CLIENT_GONE,
     IngressMetrics,
-    RecordingStream,
-    RequestRecord,
     current_record,
     route_request_log_to_serve,
 )
-from serve_app.http.request_body import read_json_body
+from serve_app.http.request_body import parse_request, read_json_body
 from serve_app.media import MediaResolver, first_image_param, image_error
 from serve_app.output.choice_parser import OutputParsing
-from workers.contract.chunks import ErrorInfo, GenerationChunk
+from serve_app.worker_call import (
+    Accumulator,
+    Streamer,
+    accumulate,
+    call_worker,
+    over_grpc,
+    relay,
+)
 from workers.contract.requests import GenerateRequest
 from workers.contract.sampling_params import SamplingParams
 from workers.contract.worker_info import ModelInfo
@@ -79,93 +77,6 @@ async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
     if (record := current_record()) is not None:
         record.fail(500, "internal_error", type(exc).__name__)
     return APIError(500, f"internal error: {type(exc).__name__}", type="internal_error").response()
-
-
-def parse_request(model_cls: type, data: dict) -> Any:
-    if (error := invalid_unicode(data)) is not None:
-        raise error
-    try:
-        return model_cls.model_validate(data)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
-
-
-class Streamer(Protocol):
-    def events(self, first: GenerationChunk, rest: AsyncIterator[GenerationChunk]) -> AsyncIterator[str]: ...
-
-
-class Accumulator(Protocol):
-    def add(self, chunk: GenerationChunk) -> None: ...
-
-    def result(self) -> Any: ...  # has dump_json() -> str
-
-
-async def _cancel_on_exit(events: AsyncIterator[str], stream, record: RequestRecord) -> AsyncIterator[str]:
-    """Forward SSE events; if the client leaves early, cancel the worker call too.
-    Then finish the request's record: 200, 499 (client gone) or 500 (an exception)."""
-    status = STATUS_CLIENT_GONE
-    try:
-        async for event in events:
-            yield event
-        status = 200
-    except Exception:
-        status = 500
-        raise
-    finally:
-        if status != 200:
-            stream.cancel()
-        record.finish(status)
-
-
-async def _accumulate(acc: Accumulator, first: GenerationChunk, stream) -> str:
-    """Fold the whole worker stream into one JSON body; cancel the worker call on error or exit."""
-    finished = False
-    try:
-        acc.add(first)
-        async for chunk in stream:
-            acc.add(chunk)
-        finished = True
-    finally:
-        if not finished:
-            stream.cancel()
-    return acc.result().dump_json()
-
-
-class _GuardedStream:
-    """The worker call; if the worker fails mid-request (replica died, RPC error), the
-    request ends with an error chunk (503, retryable) instead of a broken connection."""
-
-    def __init__(self, stream) -> None:
-        self._stream = stream
-        self._failed = False
-
-    def __aiter__(self) -> "_GuardedStream":
-        return self
-
-    async def __anext__(self) -> GenerationChunk:
-        if self._failed:
-            raise StopAsyncIteration
-        try:
-            return await self._stream.__anext__()
-        except (StopAsyncIteration, BackPressureError, asyncio.CancelledError):
-            raise
-        except Exception as exc:  # noqa: BLE001 - any worker-side failure ends this request only
-            logger.warning("model worker call failed: %s", type(exc).__name__)
-            self._failed = True
-            return GenerationChunk(error=ErrorInfo(
-                503, f"the model worker failed ({type(exc).__name__}); retry the request",
-                type="server_error", code="worker_failed"))
-
-    def cancel(self) -> None:
-        self._stream.cancel()
-
-
-def over_grpc(handle: DeploymentHandle) -> DeploymentHandle:
-    """Calls to a worker over Serve's inter-deployment gRPC channel instead of Ray actor
-    calls: a streamed chunk then costs a gRPC message, not a Ray object per item. On the
-    2-core CPU box this raised the Serve path at concurrency 32 from 165 to 175-186 tok/s
-    (docs/BENCHMARKS.md). Results come back by value, which is all the ingress needs."""
-    return handle.options(_by_reference=False, request_serialization="pickle", response_serialization="pickle")
 
 
 @serve.deployment(name="ChatIngress")
@@ -209,11 +120,8 @@ class ChatIngress(HandleAPI):
         req = await self._parse(request, ChatCompletionRequest)
         handle = self._worker(req.model)
         request_id = new_request_id()
-        model_config = self.config.model(req.model)
-        gen_request = to_generate_request(req, request_id, model_config)
-        await self._check_token_ids(req.model, gen_request.params)
-        gen_request = await self._with_images(req.model, gen_request)
-        parsing = OutputParsing.of(req, model_config)
+        gen_request = await self._chat_generate_request(req, request_id)
+        parsing = OutputParsing.of(req, self.config.model(req.model))
         if req.stream:
             output = ChunkStreamer(request_id, req, self.config.server.full_text_enabled, parsing)
         else:
@@ -258,21 +166,27 @@ class ChatIngress(HandleAPI):
 
     async def _respond(self, handle: DeploymentHandle, gen_request: GenerateRequest, stream_response: bool,
                        output: Streamer | Accumulator, param_names: Mapping[str, str] | None = None) -> Response:
-        """Call the worker; await its first chunk (so its errors keep their status); then SSE or JSON."""
+        """The worker call, answered as SSE or JSON; finishes the request's metrics record."""
         record = current_record() or self.metrics.begin("")
         record.request_id = gen_request.request_id
         try:
-            stream = RecordingStream(_GuardedStream(handle.options(stream=True).generate.remote(gen_request)), record)
-            first = await self._first_chunk(stream, param_names)
+            call = await call_worker(handle, gen_request, param_names, record)
             if stream_response:
-                return StreamingResponse(_cancel_on_exit(output.events(first, stream), stream, record),
+                return StreamingResponse(relay(output.events(call.first, call.rest), call, record),
                                          media_type="text/event-stream")
-            body = await _accumulate(output, first, stream)
+            body = (await accumulate(output, call)).dump_json()
         except asyncio.CancelledError:
             record.finish(STATUS_CLIENT_GONE)
             raise
         record.finish(200)
         return Response(body, media_type="application/json")
+
+    async def _chat_generate_request(self, req: ChatCompletionRequest, request_id: str) -> GenerateRequest:
+        """A chat request as the worker's (HTTP and the handle API): token ids checked
+        against the vocabulary, images fetched."""
+        gen_request = to_generate_request(req, request_id, self.config.model(req.model))
+        await self._check_token_ids(req.model, gen_request.params)
+        return await self._with_images(req.model, gen_request)
 
     def _worker(self, model: str) -> DeploymentHandle:
         handle = self.workers.get(model)
@@ -301,19 +215,6 @@ class ChatIngress(HandleAPI):
             raise image_error(param, f"the model `{model}` is text-only and does not accept images")
         messages, images = await self.media.resolve(gen_request.messages)
         return dataclasses.replace(gen_request, messages=messages, images=images)
-
-    async def _first_chunk(self, stream, param_names: Mapping[str, str] | None = None) -> GenerationChunk:
-        try:
-            first = await stream.__anext__()
-        except BackPressureError as exc:
-            raise APIError(503, f"server overloaded, retry later ({exc})", type="server_error",
-                           code="overloaded", headers={"Retry-After": "1"}) from None
-        except StopAsyncIteration:
-            raise APIError(500, "the worker ended the request without output", type="internal_error") from None
-        if first.error is not None:
-            stream.cancel()
-            raise APIError.from_info(first.error, param_names)
-        return first
 
     async def _info(self, model_id: str) -> ModelInfo:
         if model_id not in self._infos:

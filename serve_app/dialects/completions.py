@@ -36,24 +36,23 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
 from serve_app.dialects.common import (
     MAX_LOGPROBS,
     RequestModel,
     ResponseModel,
-    StopStrings,
-    StreamOptions,
+    SamplingFields,
     Usage,
     beam_search_error,
+    field_error,
+    length_penalty_error,
     openai_sampling_kwargs,
     or_default,
-    stop_tuple,
     usage_of,
 )
-from serve_app.dialects.response_format import ResponseFormat
 from serve_app.http.errors import APIError, unsupported
 from serve_app.http.sse import sse, sse_json
 from workers.contract.chunks import GenerationChunk, TokenLogprob
@@ -70,37 +69,11 @@ def new_request_id() -> str:
     return f"cmpl-{uuid.uuid4().hex}"
 
 
-class CompletionRequest(RequestModel):
+class TextPrompt(RequestModel):
+    """What a completion request asks of which model."""
+
     model: str
     prompt: str
-    suffix: str | None = None
-    max_tokens: int | None = Field(DEFAULT_MAX_TOKENS, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)  # None: 1.0
-    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)  # None: 1.0
-    top_k: int | None = Field(None, ge=-1)  # None, 0 and -1: off
-    min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stop: StopStrings = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0, allow_inf_nan=False)
-    min_tokens: int | None = Field(None, ge=0)
-    logit_bias: dict[int, float] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    echo: bool = False
-    user: str | None = None
-    response_format: ResponseFormat = None  # as on /v1/chat/completions (vLLM takes it here too)
-
-    n: int = Field(1, ge=1, le=64)
-    best_of: int | None = Field(None, ge=1, le=64)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    use_beam_search: bool | None = False
-    length_penalty: float | None = Field(None, ge=-10.0, le=10.0, allow_inf_nan=False)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -115,42 +88,39 @@ class CompletionRequest(RequestModel):
             raise ValueError("prompt must not be empty")
         return prompt
 
-    @field_validator("logit_bias")
-    @classmethod
-    def _bias_range(cls, bias: dict[int, float] | None) -> dict[int, float] | None:
-        for token_id, value in (bias or {}).items():
-            if token_id < 0:
-                raise ValueError(f"token id {token_id} is negative")
-            if not -100.0 <= value <= 100.0:
-                raise ValueError(f"bias {value} for token {token_id} is outside [-100, 100]")
-        return bias
 
-    @model_validator(mode="after")
-    def _cross_field_rules(self) -> "CompletionRequest":
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
-        if self.min_tokens and self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        return self
+# TextPrompt is the last base so its fields come first: a request with several bad fields
+# is answered about the first, and the model and prompt lead, as in OpenAI's order.
+class CompletionRequest(SamplingFields, TextPrompt):
+    suffix: str | None = None
+    max_tokens: int | None = Field(DEFAULT_MAX_TOKENS, ge=1)  # null: the rest of the context window
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
-    def cross_field_error(self) -> tuple[str, str] | None:
-        """(param, message) for rules between fields, else None."""
+    def broken_rule(self) -> APIError | None:
+        if (error := super().broken_rule()) is not None:
+            return error
         if self.suffix:
-            return "suffix", "`suffix` is not supported on /v1/completions"
+            return unsupported("suffix", "is not supported on /v1/completions")
+        return self._choices_error()
+
+    def _choices_error(self) -> APIError | None:
+        """n, best_of, beam search and logprobs; beam search has rules of its own."""
         if self.use_beam_search:
-            return beam_search_error(self)
-        if self.length_penalty not in (None, 1.0):
-            return "length_penalty", "length_penalty needs use_beam_search: true"
+            return beam_search_error(self, asks_logprobs=self.logprobs is not None)
+        if (error := length_penalty_error(self.length_penalty)) is not None:
+            return error
         if self.best_of is not None and self.best_of < self.n:
-            return "best_of", f"best_of ({self.best_of}) must be at least n ({self.n})"
+            return field_error("best_of", f"best_of ({self.best_of}) must be at least n ({self.n})")
         if self.num_samples > self.n and self.stream:
-            return "best_of", "best_of > n cannot stream: the best choices are known only at the end"
+            return field_error("best_of", "best_of > n cannot stream: the best choices are known only at the end")
         greedy = self.temperature == 0 or self.top_k == 1
         if self.num_samples > 1 and greedy:
             param = "n" if self.n > 1 else "best_of"
-            return param, f"{param} > 1 needs sampling: greedy decoding (temperature 0 or top_k 1) gives identical choices"
+            return field_error(param, f"{param} > 1 needs sampling: greedy decoding (temperature 0 or top_k 1) "
+                               "gives identical choices")
         if self.logprobs is not None and self.echo:
-            return "logprobs", "logprobs with echo (prompt logprobs) are not supported; drop one of them"
+            return field_error("logprobs", "logprobs with echo (prompt logprobs) are not supported; drop one of them")
         return None
 
     @property
@@ -158,18 +128,10 @@ class CompletionRequest(RequestModel):
         """Choices the engine draws: best_of when it ranks them (sampling), else n."""
         return self.n if self.use_beam_search else max(self.n, self.best_of or self.n)
 
-    @property
-    def stop_list(self) -> tuple[str, ...]:
-        return stop_tuple(self.stop)
-
-
 
 def to_generate_request(req: CompletionRequest, request_id: str) -> GenerateRequest:
-    rule = req.cross_field_error()
-    if rule is not None:
-        if rule[0] == "suffix":
-            raise unsupported("suffix", "is not supported on /v1/completions")
-        raise APIError(400, rule[1], param=rule[0])
+    """`req` has passed every rule of the dialect (its validation); what is left to fail
+    here is a `response_format` schema llguidance cannot build (400)."""
     ranked = req.num_samples > req.n  # best_of ranks by cumulative logprob: the worker must report them
     params = SamplingParams(
         **openai_sampling_kwargs(req),

@@ -3,8 +3,8 @@
 Everything that differs from `/v1/chat/completions` is here: the request model and its
 rules, the translation to the worker's `GenerateRequest`, the finish reasons, and the
 response and stream-chunk shapes. The rest is shared with `/v1`: the worker call (first
-chunk awaited, cancel on client exit; serve_app/ingress.py), the error shape and status
-codes (serve_app/errors.py), the API keys (serve_app/auth.py).
+chunk awaited, cancel on client exit; serve_app/worker_call.py), the error shape and status
+codes (serve_app/http/errors.py), the API keys (serve_app/http/auth.py).
 
 Request:
 - `messages`: non-empty, an odd count, roles alternating `user` (or `function`) and
@@ -50,7 +50,13 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from serve_app.dialects.common import RequestModel, StopStrings, or_default, stop_tuple
+from serve_app.dialects.common import (
+    RequestModel,
+    StopStrings,
+    check_stream_options,
+    or_default,
+    stop_tuple,
+)
 from serve_app.http.errors import APIError
 from serve_app.http.sse import sse, sse_json
 from workers.contract.chunks import GenerationChunk
@@ -122,8 +128,7 @@ class LmV2ChatRequest(RequestModel):
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "LmV2ChatRequest":
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
+        check_stream_options(self.stream, self.stream_options)
         return self
 
     @property

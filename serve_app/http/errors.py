@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pydantic import ValidationError
+from pydantic_core import PydanticCustomError
 from starlette.responses import JSONResponse
 
 from serve_app.http.unicode_text import lone_surrogate_path
@@ -14,6 +15,9 @@ from workers.contract.chunks import ErrorInfo
 
 # pydantic puts union member names into error locations; they are not request fields.
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "function-after", "function-before", "literal_error"}
+
+# The pydantic error type of a rule between fields (see field_rule).
+_FIELD_RULE = "field_rule"
 
 
 class APIError(Exception):
@@ -70,9 +74,22 @@ def invalid_unicode(data: Any) -> APIError | None:
                     "escape), which is not valid Unicode", param=path or None, code="invalid_unicode")
 
 
+def field_rule(error: APIError) -> PydanticCustomError:
+    """A broken rule between fields, raised by a model validator. pydantic puts such errors
+    at location `()`, so the param (and code, message) ride in the context, where
+    validation_error finds them."""
+    # `message` last: pydantic substitutes the context into the template in order, and a
+    # message quoting client text may hold "{param}" or "{code}".
+    return PydanticCustomError(_FIELD_RULE, "{message}",
+                               {"param": error.param, "code": error.code, "message": error.message})
+
+
 def validation_error(exc: ValidationError) -> APIError:
     """The first pydantic error as a 400 naming the field (vLLM maps these to 400, not 422)."""
     err = exc.errors()[0]
+    if err["type"] == _FIELD_RULE:
+        ctx = err["ctx"]
+        return APIError(400, ctx["message"], param=ctx["param"], code=ctx["code"])
     parts = [str(p) for p in err["loc"] if not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p))]
     param = ".".join(parts) or None
     message = err["msg"] if param is None else f"{param}: {err['msg']}"

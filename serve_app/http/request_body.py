@@ -1,18 +1,22 @@
-"""Reading a request body: bounded in bytes, strict JSON, bounded in nesting.
+"""Reading a request body: bounded in bytes, strict JSON, bounded in nesting, then
+validated against its dialect's request model.
 
-Every check here runs before pydantic sees the data, so nothing downstream (validation,
-JSON-schema checks, grammars, templates, Ray's pickling) meets a body that could exhaust
-memory or Python's recursion limit.
+Every check before `parse_request` runs before pydantic sees the data, so nothing
+downstream (validation, JSON-schema checks, grammars, templates, Ray's pickling) meets a
+body that could exhaust memory or Python's recursion limit.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, TypeVar
 
+from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from serve_app.http.errors import APIError
+from serve_app.http.errors import APIError, invalid_unicode, validation_error
+
+Model = TypeVar("Model", bound=BaseModel)
 
 # Deep enough for any real request (a tool schema nested twenty levels sits near depth
 # 30); shallow enough that recursive code downstream never nears Python's limit of 1000.
@@ -94,3 +98,14 @@ def json_depth(value: Any) -> int:
         deepest = max(deepest, depth)
         stack.extend((child, depth) for child in children if isinstance(child, (dict, list)))
     return deepest
+
+
+def parse_request(model_cls: type[Model], data: dict) -> Model:
+    """The request model of a parsed body (HTTP or the handle API), every rule of the
+    dialect checked, or a 400 APIError naming the field."""
+    if (error := invalid_unicode(data)) is not None:
+        raise error
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from None

@@ -1,5 +1,6 @@
 """`/v1/completions` (legacy text completion): translation as unit tests, then the
-official `openai` client and raw HTTP against the tiny model."""
+official `openai` client and raw HTTP against the tiny model. The request rules are unit
+tests in tests/unit/api/test_dialect_rules.py."""
 
 from __future__ import annotations
 
@@ -65,26 +66,6 @@ def test_null_max_tokens_is_the_rest_of_the_window():
 
 def test_a_list_of_one_prompt_is_that_prompt():
     assert make(prompt=["hello"]).prompt == "hello"
-
-
-def test_suffix_is_refused():
-    with pytest.raises(APIError) as info:
-        to_generate_request(make(suffix="tail"), "r")
-    assert info.value.status == 400 and info.value.param == "suffix"
-    assert info.value.code == "unsupported_parameter"
-
-
-@pytest.mark.parametrize(
-    ("fields", "param"),
-    [({"n": 2, "temperature": 0}, "n"), ({"best_of": 3, "top_k": 1}, "best_of"), ({"n": 3, "best_of": 2}, "best_of"),
-     ({"n": 1, "best_of": 2, "stream": True}, "best_of"), ({"logprobs": 1, "echo": True}, "logprobs"),
-     ({"use_beam_search": True}, "n"), ({"use_beam_search": True, "n": 2, "temperature": 0.5}, "temperature"),
-     ({"use_beam_search": True, "n": 2, "logprobs": 0}, "logprobs"), ({"length_penalty": 0.5}, "length_penalty")],
-)
-def test_cross_field_rules(fields, param):
-    with pytest.raises(APIError) as info:
-        to_generate_request(make(**fields), "r")
-    assert info.value.status == 400 and info.value.param == param
 
 
 def test_n_best_of_beam_and_logprobs_map_to_sampling_params():
@@ -278,7 +259,7 @@ def test_raw_sse(tiny_app):
         ({"model": TINY_MODEL_ID, "prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
         ({"model": TINY_MODEL_ID, "prompt": PROMPT, "logit_bias": {"100000": 1}}, "logit_bias"),
         ({"model": TINY_MODEL_ID, "prompt": PROMPT, "logit_bias": {"5": 200}}, "logit_bias"),
-        ({"model": TINY_MODEL_ID, "prompt": PROMPT, "min_tokens": 20, "max_tokens": 5}, None),
+        ({"model": TINY_MODEL_ID, "prompt": PROMPT, "min_tokens": 20, "max_tokens": 5}, "min_tokens"),
         ({"model": TINY_MODEL_ID, "prompt": PROMPT, "max_tokens": 1000}, "max_tokens"),  # over the window (worker)
     ],
 )

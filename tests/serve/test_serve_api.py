@@ -236,12 +236,12 @@ def test_cached_tokens_in_usage_for_a_repeated_prefix(client, tiny_app):
 
 
 def test_worker_calls_go_over_grpc_by_value(tiny_app):
-    """The ingress reaches workers over Serve's gRPC channel (ingress.over_grpc; faster per
+    """The ingress reaches workers over Serve's gRPC channel (worker_call.over_grpc; faster per
     streamed chunk than Ray object refs, docs/BENCHMARKS.md) and the chunks arrive whole."""
     from ray import serve
 
     from serve_app.app import worker_deployment_name
-    from serve_app.ingress import over_grpc
+    from serve_app.worker_call import over_grpc
     from workers.contract.chunks import GenerationChunk
     from workers.contract.requests import GenerateRequest
     from workers.contract.sampling_params import SamplingParams
@@ -250,7 +250,9 @@ def test_worker_calls_go_over_grpc_by_value(tiny_app):
     assert handle.handle_options._by_reference is False
     request = GenerateRequest(request_id="grpc-check", messages=MESSAGES, max_tokens=5,
                               params=SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
-    chunks = list(handle.options(stream=True).generate.remote(request))
+    messages = list(handle.options(stream=True).generate.remote(request))
+    assert all(isinstance(message, list) for message in messages)  # a worker message: the chunks pending then
+    chunks = [chunk for message in messages for chunk in message]
     assert all(isinstance(chunk, GenerationChunk) for chunk in chunks)
     assert sum(len(chunk.token_ids) for chunk in chunks) == 5
     assert chunks[-1].finish_reason == "length" and chunks[-1].completion_tokens == 5

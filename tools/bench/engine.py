@@ -272,10 +272,14 @@ def run_offline(args, loaded) -> None:
         report = offline_level(engine, prompt_ids, concurrency, n, args.max_tokens)
         print(report.line(), flush=True)
         reports.append(report)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"prompt_tokens": len(prompt_ids), "max_tokens": args.max_tokens,
-                       "levels": [dataclasses.asdict(r) for r in reports]}, f, indent=2)
+    write_reports(args.json, reports, max_tokens=args.max_tokens, prompt_tokens=len(prompt_ids))
+
+
+def write_reports(path: str | None, reports: list, **facts) -> None:
+    """The levels' reports as tools.bench.load writes them (tools.bench.compare reads both)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({**facts, "levels": [dataclasses.asdict(r) for r in reports]}, f, indent=2)
 
 
 # --- worker: the worker's request path in this process (no Ray) -----------------------------
@@ -336,10 +340,13 @@ async def run_worker(args) -> None:
                                            args.config)
     try:
         await worker_level(processor, args.prompt, 1, 2, 4)  # warm-up
+        reports = []
         for concurrency in args.concurrency:
             n = args.num_requests or max(8, 2 * concurrency)
             report = await worker_level(processor, args.prompt, concurrency, n, args.max_tokens)
             print(report.line("worker"), flush=True)
+            reports.append(report)
+        write_reports(args.json, reports, max_tokens=args.max_tokens)
     finally:
         engine.stop()
 
@@ -454,8 +461,8 @@ def main(argv: list[str] | None = None) -> None:
     serving_load.add_argument("--prompt", default=BENCH_PROMPT)
     serving_load.add_argument("--config", default=SERVE_CONFIG, help="serve config whose first model's engine "
                               "limits the engine takes (default: configs/default.yaml)")
-    offline = sub.add_parser("offline", parents=[serving_load], help="the HTTP bench's load straight into the engine")
-    offline.add_argument("--json", default=None)
+    serving_load.add_argument("--json", default=None, help="also write the reports here")
+    sub.add_parser("offline", parents=[serving_load], help="the HTTP bench's load straight into the engine")
     sub.add_parser("worker", parents=[serving_load], help="the same load through the worker's request path (no Ray)")
     prefix = sub.add_parser("prefix", help="TTFT of a request sharing a long prefix with an earlier one")
     prefix.add_argument("--prefix-tokens", type=int, default=1000)

@@ -47,12 +47,17 @@ class _Abort:
 
 
 class RequestStream:
-    """Tokens of one request (all its choices), as the engine produces them."""
+    """Tokens of one request (all its choices), as the engine produces them.
+
+    Either queued for a reader (`next`, `async for`), or, when `sink` is set, handed to it
+    on the event loop as they arrive: a step's events of the request (or the exception
+    that failed it) in one call, with no task switch in between."""
 
     def __init__(self) -> None:
         self.request_id: int | None = None
         self._queue: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
         self.finished = False
+        self.sink: Callable[[list[TokenEvent | BaseException]], None] | None = None
 
     def put(self, item: TokenEvent | BaseException) -> None:
         self._queue.put_nowait(item)
@@ -250,6 +255,15 @@ class AsyncEngine:
 
 
 def _deliver(routed: list[tuple[RequestStream, TokenEvent | BaseException]]) -> None:
-    """Runs on the event loop: hand each event to its stream."""
+    """Runs on the event loop: hand each stream its share of a step, in one piece."""
+    by_stream: dict[RequestStream, list[TokenEvent | BaseException]] = {}
     for stream, item in routed:
-        stream.put(item)
+        if stream.sink is None:
+            stream.put(item)
+        else:
+            by_stream.setdefault(stream, []).append(item)
+    for stream, items in by_stream.items():
+        try:
+            stream.sink(items)
+        except Exception:  # noqa: BLE001 - the sink fails its own request; the step's others go on
+            logger.exception("delivering a step's events failed for one request")

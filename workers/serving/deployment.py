@@ -56,9 +56,11 @@ class ModelWorker:
                                           stream_interval=engine_config.stream_interval)
         logger.info("model %s ready: %s", self.config.id, self.info())
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:
-        async for chunk in self.processor.generate(request):
-            yield chunk
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[list[GenerationChunk]]:
+        """A request's chunks; each message holds everything pending when the worker got to
+        send (one chunk per choice: a backlog is merged, never held for a timer)."""
+        async for batch in self.processor.stream(request):
+            yield batch
 
     def info(self) -> ModelInfo:
         engine = self.engine.describe()

@@ -1,9 +1,11 @@
-"""One request end to end on the worker: prompt -> engine -> text chunks.
+"""One request end to end on the worker: prompt -> engine -> chunks in an outbox.
 
 Runs on the worker's event loop, beside (never inside) the engine thread: templating,
-tokenizing, detokenizing and stop-string search cost the engine no step time. When a
-stop string matches, or the caller goes away, the request is aborted in the engine at
-once and its KV blocks are freed.
+tokenizing, detokenizing and stop-string search cost the engine no step time. Admission
+(template, window and KV checks, grammar) happens here; from then on the request's
+chunks are made by its `ActiveRequest` as each step's events arrive. When a stop string
+matches, or the caller goes away, the request is aborted in the engine at once and its
+KV blocks are freed.
 """
 
 from __future__ import annotations
@@ -13,43 +15,30 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from workers.contract.chunks import ErrorInfo, GenerationChunk
 from workers.contract.grammar import GuidedDecodingError
 from workers.contract.requests import GenerateRequest
 from workers.contract.sampling_params import SamplingParams
-from workers.engine.events import TokenEvent
 from workers.engine.limits import CapacityError
-from workers.model.multimodal import ImageEncodeError
+from workers.serving.active_request import ActiveRequest, Timeouts
 from workers.serving.async_engine import AsyncEngine, EngineDeadError
 from workers.serving.choice_output import ChoiceOutput, Usage
+from workers.serving.outbox import ChunkOutbox
 from workers.text.prompts import Prompt, PromptBuilder, PromptError
 from workers.text.vision_prompts import VisionPromptBuilder
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class Timeouts:
-    first_token_s: float | None = None
-    request_s: float | None = None
-
-    def remaining(self, arrival: float, got_first_token: bool) -> float | None:
-        """Seconds left before the nearer deadline; None when neither applies."""
-        now = time.perf_counter()
-        limits = [arrival + self.request_s - now] if self.request_s else []
-        if self.first_token_s and not got_first_token:
-            limits.append(arrival + self.first_token_s - now)
-        return max(0.0, min(limits)) if limits else None
+__all__ = ["RequestProcessor", "Timeouts"]
 
 
 class RequestProcessor:
     def __init__(self, engine: AsyncEngine, tokenizer, timeouts: Timeouts = Timeouts(),
                  vision: VisionPromptBuilder | None = None, stream_interval: int = 1) -> None:
         """`stream_interval`: after the first token, a chunk goes out once this many tokens
-        per choice are waiting (or the request ends): fewer, larger messages through Serve's
-        hops, at the price of a burstier stream (docs/BENCHMARKS.md, "stream interval")."""
+        per choice are waiting (or the request ends): fewer, larger messages, at the price
+        of a burstier stream."""
         self.engine = engine
         self.timeouts = timeouts
         self.stream_interval = stream_interval
@@ -59,7 +48,47 @@ class RequestProcessor:
         self.max_model_len = engine.limits.max_model_len
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:
+        """The request's chunks one by one (for callers in this process)."""
+        async for batch in self.stream(request):
+            for chunk in batch:
+                yield chunk
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[list[GenerationChunk]]:
+        """The request's chunks, everything pending at each wake-up as one list (one message)."""
+        outbox = ChunkOutbox()
+        task = asyncio.create_task(self._run_then_close(request, outbox))
+        try:
+            async for batch in outbox.batches():
+                yield [chunk for _, chunk in batch]
+        finally:
+            task.cancel()  # the caller left early: the request is aborted and freed
+
+    async def _run_then_close(self, request: GenerateRequest, outbox: ChunkOutbox) -> None:
+        try:
+            await self.run(request, outbox)
+        except Exception as exc:  # noqa: BLE001 - a bug in this request's path ends it, with a reason
+            logger.exception("request %s failed on the worker", request.request_id)
+            outbox.put(request.request_id, GenerationChunk(error=ErrorInfo(
+                500, f"the request failed on the worker ({type(exc).__name__})", type="internal_error",
+                code="engine_error")))
+        finally:
+            outbox.close()
+
+    async def run(self, request: GenerateRequest, outbox: ChunkOutbox) -> None:
+        """The request from admission to its end, its chunks put in `outbox` under its
+        request id; cancelling this coroutine aborts the request."""
         arrival = time.perf_counter()
+        active = await self.admit(request, outbox, arrival)
+        if active is None:
+            return
+        try:
+            await active.until_done(self.timeouts, arrival)
+        finally:
+            active.close()
+
+    async def admit(self, request: GenerateRequest, outbox: ChunkOutbox, arrival: float) -> ActiveRequest | None:
+        """Template, check and queue the request; None when refused (the refusal is in `outbox`).
+        `arrival` (perf_counter) starts the request's timings."""
         try:
             prompt = await self._prompt(request)
             prompt_ids = prompt.token_ids
@@ -67,52 +96,13 @@ class RequestProcessor:
             # Compiling a grammar can take milliseconds: neither the loop nor the engine waits.
             guide = await asyncio.to_thread(self.engine.compile_guide, params) if params.guided else None
             stream = self.engine.add_request(prompt_ids, params, guide, images=prompt.images)
-        except PromptError as exc:
-            yield GenerationChunk(error=ErrorInfo(400, str(exc), param=exc.param, code=exc.code))
-            return
-        except GuidedDecodingError as exc:
-            yield GenerationChunk(error=ErrorInfo(400, f"the output constraint cannot be used: {exc}",
-                                                  param=request.params.guided.param if request.params.guided else None,
-                                                  code="invalid_grammar"))
-            return
-        except CapacityError as exc:
-            prompt_param = "prompt" if request.prompt is not None else "messages"
-            param = "max_tokens" if request.max_tokens is not None and not exc.prompt_alone else prompt_param
-            yield GenerationChunk(error=ErrorInfo(400, str(exc), param=param, code="context_length_exceeded"))
-            return
-        except EngineDeadError as exc:
-            yield GenerationChunk(error=ErrorInfo(503, str(exc), type="server_error", code="engine_dead"))
-            return
-
+        except (PromptError, GuidedDecodingError, CapacityError, EngineDeadError) as exc:
+            outbox.put(request.request_id, _refusal(request, exc))
+            return None
         reasoning_open = _opens_reasoning(prompt.text, request.reasoning_start)
-        states = [ChoiceOutput(self.tokenizer, prompt_ids, params, arrival, reasoning_open) for _ in range(params.n)]
-        usage = Usage(len(prompt_ids))
-        batch_size = self.stream_interval * params.n
-        pending: list[TokenEvent] = []  # events held back by the stream interval
-        try:
-            while not stream.finished:
-                try:
-                    arrived = await stream.next(self.timeouts.remaining(arrival, usage.completion_tokens > 0))
-                except TimeoutError:
-                    for chunk in self._chunks(pending, states, usage):
-                        yield chunk
-                    yield self._timeout_error(usage.completion_tokens > 0)
-                    return
-                pending += arrived
-                if len(pending) < batch_size and not _must_send(arrived, stream.finished, usage):
-                    continue  # (events held before were checked when they arrived)
-                events, pending = pending, []
-                for chunk in self._chunks(events, states, usage):
-                    yield chunk
-                if all(state.finished for state in states):
-                    return
-        except EngineDeadError as exc:
-            yield GenerationChunk(error=ErrorInfo(500, str(exc), type="server_error", code="engine_dead"))
-        except ImageEncodeError as exc:
-            yield GenerationChunk(error=ErrorInfo(500, str(exc), type="internal_error", code="engine_error"))
-        finally:
-            # Stop string matched, client went away, or an error: free the sequences now.
-            self.engine.abort(stream)
+        choices = [ChoiceOutput(self.tokenizer, prompt_ids, params, arrival, reasoning_open) for _ in range(params.n)]
+        return ActiveRequest(request.request_id, self.engine, stream, choices, Usage(len(prompt_ids)), outbox,
+                             self.stream_interval)
 
     async def _prompt(self, request: GenerateRequest) -> Prompt:
         if self.vision is None:
@@ -126,35 +116,6 @@ class RequestProcessor:
         # Decoding and preparing pixels takes milliseconds per image: off the event loop,
         # which meanwhile streams other requests' tokens.
         return await asyncio.to_thread(self.vision.build, request)
-
-    def _timeout_error(self, got_first_token: bool) -> GenerationChunk:
-        if got_first_token:
-            message, code = f"the request ran past its {self.timeouts.request_s} s limit", "request_timeout"
-        else:
-            limit = self.timeouts.first_token_s if self.timeouts.first_token_s else self.timeouts.request_s
-            message, code = f"no token within the {limit} s limit", "first_token_timeout"
-        return GenerationChunk(error=ErrorInfo(504, message, type="timeout_error", code=code))
-
-    def _chunks(self, events: list[TokenEvent], states: list[ChoiceOutput], usage: Usage) -> list[GenerationChunk]:
-        """One chunk per choice that has news in this batch of events, in choice order. A
-        failure ends the request, after the tokens that came before it (a batch can hold
-        both: held back by the stream interval, or queued while the loop was busy)."""
-        failed = next((i for i, e in enumerate(events) if e.error is not None), None)
-        if failed is not None:
-            chunks = self._chunks(events[:failed], states, usage)
-            for state in states:
-                state.finished = True
-            return chunks + [_step_error(events[failed])]
-        by_choice: dict[int, list[TokenEvent]] = {}
-        for event in events:
-            by_choice.setdefault(event.index, []).append(event)
-        chunks = []
-        for index in sorted(by_choice):
-            state = states[index]
-            if state.finished:
-                continue  # tokens sampled after a stop string matched, before the abort landed
-            chunks.append(state.chunk(index, by_choice[index], usage))
-        return chunks
 
     def _resolve_params(self, request: GenerateRequest, num_prompt_tokens: int) -> SamplingParams:
         max_tokens = request.max_tokens
@@ -174,20 +135,19 @@ def _prompt_size(request: GenerateRequest) -> int:
                for m in request.messages or ())
 
 
-def _must_send(arrived: list[TokenEvent], finished: bool, usage: Usage) -> bool:
-    """Events that go out at once whatever the stream interval: the first token (no timer
-    on the time to first token), the request's end, and a failure."""
-    return usage.completion_tokens == 0 or finished or any(e.error is not None for e in arrived)
-
-
-def _step_error(failed: TokenEvent) -> GenerationChunk:
-    if failed.error_is_grammar:
-        # The request's own schema or grammar: it allowed a start it cannot finish.
-        return GenerationChunk(error=ErrorInfo(
-            400, f"the output constraint reached a point no token can continue ({failed.error})",
-            code="invalid_grammar"))
-    return GenerationChunk(error=ErrorInfo(500, f"this request failed inside the engine ({failed.error})",
-                                           type="internal_error", code="engine_error"))
+def _refusal(request: GenerateRequest, exc: Exception) -> GenerationChunk:
+    """The error chunk of a request refused at admission."""
+    if isinstance(exc, PromptError):
+        return GenerationChunk(error=ErrorInfo(400, str(exc), param=exc.param, code=exc.code))
+    if isinstance(exc, GuidedDecodingError):
+        param = request.params.guided.param if request.params.guided else None
+        return GenerationChunk(error=ErrorInfo(400, f"the output constraint cannot be used: {exc}", param=param,
+                                               code="invalid_grammar"))
+    if isinstance(exc, CapacityError):
+        prompt_param = "prompt" if request.prompt is not None else "messages"
+        param = "max_tokens" if request.max_tokens is not None and not exc.prompt_alone else prompt_param
+        return GenerationChunk(error=ErrorInfo(400, str(exc), param=param, code="context_length_exceeded"))
+    return GenerationChunk(error=ErrorInfo(503, str(exc), type="server_error", code="engine_dead"))
 
 
 def _opens_reasoning(prompt_text: str | None, start_tag: str | None) -> bool:

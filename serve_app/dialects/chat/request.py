@@ -10,12 +10,12 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 from serve_app.dialects.common import (
     MAX_LOGPROBS,
     RequestModel,
-    StopStrings,
-    StreamOptions,
+    SamplingFields,
     beam_search_error,
-    stop_tuple,
+    field_error,
+    length_penalty_error,
 )
-from serve_app.dialects.response_format import ResponseFormat
+from serve_app.http.errors import APIError
 
 
 class TextPart(RequestModel):
@@ -108,89 +108,59 @@ class NamedToolChoice(RequestModel):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-class ChatCompletionRequest(RequestModel):
+class ChatPrompt(RequestModel):
+    """What a chat request asks of which model."""
+
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=1)
+
+
+# ChatPrompt is the last base so its fields come first: a request with several bad fields
+# is answered about the first, and the model and messages lead, as in OpenAI's order.
+class ChatCompletionRequest(SamplingFields, ChatPrompt):
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)  # None: 1.0
-    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)  # None: 1.0
-    top_k: int | None = Field(None, ge=-1)  # None, 0 and -1: off
-    min_p: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0, allow_inf_nan=False)
-    logit_bias: dict[str, float] | None = None
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stop: StopStrings = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    ignore_eos: bool = False
-    min_tokens: int | None = Field(None, ge=0)
-    n: int = Field(1, ge=1, le=64)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = None
-    user: str | None = None
-
-    use_beam_search: bool | None = False
-    best_of: int | None = Field(None, ge=1, le=64)  # beam width
-    length_penalty: float | None = Field(None, ge=-10.0, le=10.0, allow_inf_nan=False)
-
-    response_format: ResponseFormat = None
 
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without
     parallel_tool_calls: bool | None = None  # None: true
 
-    @model_validator(mode="after")
-    def _cross_field_rules(self) -> "ChatCompletionRequest":
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
-        return self
+    def broken_rule(self) -> APIError | None:
+        return self._tool_error() or self._choices_error() or super().broken_rule()
 
-    def cross_field_error(self) -> tuple[str, str] | None:
-        """(param, message) for rules between fields that name one field, else None."""
-        if (tool_rule := self._tool_error()) is not None:
-            return tool_rule
-        if self.use_beam_search:
-            return beam_search_error(self)
-        if self.best_of is not None:
-            return "best_of", "best_of is only supported with use_beam_search"
-        if self.length_penalty is not None and self.length_penalty != 1.0:
-            return "length_penalty", "length_penalty needs use_beam_search: true"
-        if self.n > 1 and (self.temperature == 0 or self.top_k == 1):
-            return "n", "n > 1 needs sampling: greedy decoding (temperature 0 or top_k 1) would give n identical choices"
-        if self.top_logprobs is not None and not self.logprobs:
-            return "top_logprobs", "top_logprobs needs logprobs to be true"
-        cap = self.output_cap
-        if self.min_tokens and cap is not None and self.min_tokens > cap:
-            return "min_tokens", f"min_tokens ({self.min_tokens}) is larger than max_tokens ({cap})"
-        for key, bias in (self.logit_bias or {}).items():
-            if not key.lstrip("-").isdigit() or int(key) < 0:
-                return "logit_bias", f"logit_bias keys must be token ids, got {key!r}"
-            if not -100.0 <= bias <= 100.0:
-                return "logit_bias", f"logit_bias values must be in [-100, 100], got {bias} for token {key}"
-        return None
-
-    def _tool_error(self) -> tuple[str, str] | None:
+    def _tool_error(self) -> APIError | None:
         names = [t.function.name for t in self.tools or []]
         if len(set(names)) < len(names):
-            return "tools", "function names in tools must be unique"
+            return field_error("tools", "function names in tools must be unique")
         choice = self.tool_choice
         if choice is not None and choice != "none" and not names:
-            return "tool_choice", "tool_choice needs tools"
+            return field_error("tool_choice", "tool_choice needs tools")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            return "tool_choice", f"tool_choice names {choice.function.name!r}, which is not among the tools {names}"
+            return field_error("tool_choice",
+                               f"tool_choice names {choice.function.name!r}, which is not among the tools {names}")
         if self.guided_tools and self.use_beam_search:
-            return "tool_choice", "forced or strict tool calls are not available with beam search"
+            return field_error("tool_choice", "forced or strict tool calls are not available with beam search")
         if self.guided_tools and self.response_format is not None and self.response_format.type != "text":
             # One grammar a request: the calls' format or the answer's, not both.
-            return "response_format", "response_format cannot be combined with forced or strict tool calls"
+            return field_error("response_format", "response_format cannot be combined with forced or strict tool calls")
+        return None
+
+    def _choices_error(self) -> APIError | None:
+        """n, best_of, beam search and logprobs; beam search has rules of its own."""
+        if self.use_beam_search:
+            return beam_search_error(self, asks_logprobs=bool(self.logprobs))
+        if self.best_of is not None:
+            return field_error("best_of", "best_of is only supported with use_beam_search")
+        if (error := length_penalty_error(self.length_penalty)) is not None:
+            return error
+        if self.n > 1 and (self.temperature == 0 or self.top_k == 1):
+            return field_error("n", "n > 1 needs sampling: greedy decoding (temperature 0 or top_k 1) would give n "
+                               "identical choices")
+        if self.top_logprobs is not None and not self.logprobs:
+            return field_error("top_logprobs", "top_logprobs needs logprobs to be true")
         return None
 
     @property
@@ -215,12 +185,3 @@ class ChatCompletionRequest(RequestModel):
     @property
     def output_cap(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    @property
-    def stop_list(self) -> tuple[str, ...]:
-        return stop_tuple(self.stop)
-
-
-# ---------------------------------------------------------------------------- responses
-
-

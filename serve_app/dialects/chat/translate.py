@@ -22,15 +22,14 @@ def new_request_id() -> str:
 
 def to_generate_request(req: ChatCompletionRequest, request_id: str,
                         model: ModelConfig | None = None) -> GenerateRequest:
-    """`model` (the served model's config) picks the tool-call format and the reasoning tag."""
-    rule = req.cross_field_error()
-    if rule is not None:
-        raise APIError(400, rule[1], param=rule[0])
+    """`model` (the served model's config) picks the tool-call format and the reasoning tag.
+    `req` has passed every rule of the dialect (its validation); what is left to fail here
+    is a grammar llguidance cannot build (400, naming `tools` or `response_format`)."""
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     parser = PARSERS[model.tool_call_parser] if model is not None else HermesToolParser
     tools = req.tools_in_play
     params = sampling_params(req)  # guided by response_format, if any
-    if (constraint := tool_constraint(req, parser)) is not None:  # never both (cross_field_error)
+    if (constraint := tool_constraint(req, parser)) is not None:  # never both (ChatCompletionRequest._tool_error)
         params = dataclasses.replace(params, guided=constraint)
     return GenerateRequest(
         request_id=request_id,

@@ -1,0 +1,194 @@
+"""Side-by-side serving benchmark, one command: the same model and load through chatserve's
+engine offline, its worker path without Ray, the Serve path, and vLLM's CPU server.
+
+    python -m tools.bench.compare --model default --levels 1 16 32 64 --max-tokens 64
+    python -m tools.bench.compare --model near-free --levels 1 16 64 128 --max-tokens 256 \
+        --systems engine worker serve vllm
+
+Every system gets the load of `tools.bench.load` (one templated prompt, temperature 0.8,
+ignore_eos, a closed loop of max(8, 2C) requests at concurrency C), run one after another
+on this machine, loopback only, every system in the same dtype (--dtype, float32 by
+default). The Serve path is `serve run` of a config written from configs/default.yaml for
+the model, started the way `make serve` starts it (SERVE_ENV); vLLM is `vllm serve` from
+its own venv (tools/bench/vllm_cpu_env.sh) on the same model directory. Prints a table with each system's throughput as a share of the
+engine offline and of vLLM, and writes every report to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import yaml
+
+from tools.bench.near_free_model import write_near_free_model
+from workers.contract.model_config import BUILTIN_DEFAULT_MODEL
+from workers.model.loader import prepare_model_dir
+
+REPO = Path(__file__).resolve().parents[2]
+SERVE_PORT = 8000
+VLLM_PORT = 8011
+
+# How `make serve` starts Ray for the Serve path (the Makefile's SERVE_ENV, kept equal by a test).
+SERVE_ENV = {
+    "RAY_worker_niceness": "0",  # Ray's default 15 lets any client or neighbour preempt the model
+}
+
+
+@dataclass(frozen=True)
+class Model:
+    """A model as the systems take it: chatserve's `source`, vLLM's directory, the window."""
+
+    name: str
+    source: str
+    directory: Path
+    max_num_seqs: int
+
+
+def resolve_model(name: str, out: Path) -> Model:
+    if name == "default":
+        return Model("SmolLM2-135M-Instruct", BUILTIN_DEFAULT_MODEL, prepare_model_dir(BUILTIN_DEFAULT_MODEL), 64)
+    if name == "near-free":
+        directory = write_near_free_model(out / "near-free-model")
+        return Model("near-free", str(directory), directory, 128)
+    raise SystemExit(f"unknown model {name!r} (default, near-free)")
+
+
+def serve_config(model: Model, dtype: str, out: Path) -> Path:
+    """configs/default.yaml with the model and dtype swapped in, bound to loopback."""
+    config = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())
+    config["http_options"]["host"] = "127.0.0.1"
+    spec = config["applications"][0]["args"]["models"][0]
+    spec.update(id=model.name, source=model.source, dtype=dtype)
+    spec["engine"]["max_num_seqs"] = model.max_num_seqs
+    path = out / f"serve-{model.name}.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def run(cmd: list[str], **kwargs) -> None:
+    print("$", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, cwd=REPO, **kwargs)
+
+
+def wait_until_up(url: str, process: subprocess.Popen, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"server exited with {process.returncode} before it came up ({url})")
+        try:
+            if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise SystemExit(f"{url} did not come up in {timeout_s:.0f} s")
+
+
+def stop(process: subprocess.Popen) -> None:
+    """The server's whole process group, then (for Ray) whatever `ray stop` still finds."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGINT)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def load(args, url: str, model_name: str, report: Path) -> None:
+    run([sys.executable, "-m", "tools.bench.load", "--url", url, "--model", model_name, "--concurrency",
+         *map(str, args.levels), "--max-tokens", str(args.max_tokens), "--json", str(report)])
+
+
+def bench_engine(args, model: Model, mode: str, config: Path, report: Path) -> None:
+    run([sys.executable, "-m", "tools.bench.engine", "--source", model.source, "--dtype", args.dtype, mode,
+         "--config", str(config), "--concurrency", *map(str, args.levels), "--max-tokens", str(args.max_tokens),
+         "--json", str(report)])
+
+
+def bench_serve(args, model: Model, config: Path, report: Path) -> None:
+    env = {**os.environ, **SERVE_ENV, "PYTHONPATH": str(REPO)}
+    log = open(args.out / "serve.log", "w")
+    process = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", str(config)], cwd=REPO, env=env,
+                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until_up(f"http://127.0.0.1:{SERVE_PORT}", process)
+        load(args, f"http://127.0.0.1:{SERVE_PORT}", model.name, report)
+    finally:
+        stop(process)
+        subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], capture_output=True)
+
+
+def bench_vllm(args, model: Model, report: Path) -> None:
+    venv = subprocess.run([str(REPO / "tools" / "bench" / "vllm_cpu_env.sh")], check=True, capture_output=True,
+                          text=True).stdout.strip().splitlines()[-1]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"}
+    cmd = [str(REPO / venv / "bin" / "vllm"), "serve", str(model.directory), "--served-model-name", model.name,
+           "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(VLLM_PORT)]
+    log = open(args.out / "vllm.log", "w")
+    print("$", " ".join(cmd), flush=True)
+    process = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until_up(f"http://127.0.0.1:{VLLM_PORT}", process)
+        load(args, f"http://127.0.0.1:{VLLM_PORT}", model.name, report)
+    finally:
+        stop(process)
+
+
+def levels(path: Path) -> dict[int, dict]:
+    return {level["concurrency"]: level for level in json.loads(path.read_text())["levels"]} if path.exists() else {}
+
+
+def summary(results: dict[str, dict[int, dict]]) -> str:
+    engine, vllm = results.get("engine", {}), results.get("vllm", {})
+    lines = ["| system | c | output tok/s | vs engine offline | vs vLLM | TTFT med / p99 ms | TPOT med / p99 ms |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for system, by_level in results.items():
+        for c, level in sorted(by_level.items()):
+            tok_s = level["output_tok_s"]
+            vs_engine = f"{tok_s / engine[c]['output_tok_s']:.0%}" if c in engine else "-"
+            vs_vllm = f"{tok_s / vllm[c]['output_tok_s']:.2f}x" if c in vllm else "-"
+            lines.append(f"| {system} | {c} | {tok_s:.1f} | {vs_engine} | {vs_vllm} | "
+                         f"{level['ttft_median_ms']:.1f} / {level['ttft_p99_ms']:.1f} | "
+                         f"{level['tpot_median_ms']:.1f} / {level['tpot_p99_ms']:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default", help="default (SmolLM2-135M-Instruct) or near-free")
+    parser.add_argument("--levels", type=int, nargs="+", default=[1, 16, 32, 64])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--systems", nargs="+", default=["engine", "serve", "vllm"],
+                        choices=["engine", "worker", "serve", "vllm"])
+    parser.add_argument("--dtype", default="float32", help="every system's (vLLM's CPU build runs float32 here)")
+    parser.add_argument("--out", type=Path, default=REPO / "bench-results")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = resolve_model(args.model, args.out)
+    config = serve_config(model, args.dtype, args.out)
+    reports = {system: args.out / f"{args.model}-{system}.json" for system in args.systems}
+    for system in args.systems:
+        print(f"== {system}: {model.name}, c={args.levels}, {args.max_tokens} tokens", flush=True)
+        if system in ("engine", "worker"):
+            bench_engine(args, model, "offline" if system == "engine" else "worker", config, reports[system])
+        elif system == "serve":
+            bench_serve(args, model, config, reports[system])
+        else:
+            bench_vllm(args, model, reports[system])
+    table = summary({system: levels(path) for system, path in reports.items()})
+    (args.out / f"{args.model}-summary.md").write_text(table + "\n")
+    print(f"\n{os.uname().nodename}, {time.strftime('%Y-%m-%d %H:%M')}\n{table}")
+
+
+if __name__ == "__main__":
+    main()
