@@ -155,6 +155,10 @@ def _pairs(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, to
 def _pattern_value(patterns: dict, module: str, default: float) -> float:
     """PEFT's `alpha_pattern` lookup: the first key matching the end of the module path."""
     for pattern, value in patterns.items():
-        if re.match(rf"(.*\.)?({pattern})$", module):
+        try:
+            matches = re.match(rf"(.*\.)?({pattern})$", module)
+        except re.error as exc:
+            raise LoraAdapterError(f"alpha_pattern key {pattern!r} is not a regular expression ({exc})") from None
+        if matches:
             return value
     return default

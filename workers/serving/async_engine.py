@@ -22,6 +22,7 @@ from workers.engine.engine_info import EngineDescription, EngineStats
 from workers.engine.events import TokenEvent
 from workers.engine.limits import EngineLimits
 from workers.engine.llm_engine import LLMEngine
+from workers.lora.peft_files import LoraAdapter
 from workers.model.multimodal import ImageInputs
 from workers.sampling.guided import GuideState
 
@@ -39,11 +40,22 @@ class _Add:
     stream: "RequestStream"
     guide: GuideState | None
     images: ImageInputs | None = None
+    lora: str | None = None  # a registered adapter's key
 
 
 @dataclass
 class _Abort:
     stream: "RequestStream"
+
+
+@dataclass
+class _AddLora:
+    adapter: LoraAdapter
+
+
+@dataclass
+class _RemoveLora:
+    key: str
 
 
 class RequestStream:
@@ -165,9 +177,25 @@ class AsyncEngine:
     def describe(self) -> EngineDescription:
         return self._engine.describe()
 
+    def check_lora(self, adapter: LoraAdapter) -> None:
+        """Raise LoraAdapterError unless the engine can serve `adapter` (see LLMEngine.check_lora)."""
+        self._engine.check_lora(adapter)
+
+    def add_lora(self, adapter: LoraAdapter) -> None:
+        """Check `adapter` against the model now (raises LoraAdapterError), then register it;
+        a request queued after this call finds it (commands run in order)."""
+        self.check_lora(adapter)
+        self._commands.put(_AddLora(adapter))
+        self._wake.set()
+
+    def remove_lora(self, key: str) -> None:
+        """Forget an adapter for later requests (queued and running ones finish with it)."""
+        self._commands.put(_RemoveLora(key))
+        self._wake.set()
+
     def add_request(
         self, prompt_token_ids: list[int], params: SamplingParams, guide: GuideState | None = None, *,
-        images: ImageInputs | None = None,
+        images: ImageInputs | None = None, lora: str | None = None,
     ) -> RequestStream:
         """Check the request now (raises CapacityError, or GuidedDecodingError for a grammar
         that does not compile), then queue it for the engine thread. A guided request's
@@ -178,7 +206,7 @@ class AsyncEngine:
         if guide is None:
             guide = self.compile_guide(params)
         stream = RequestStream()
-        self._commands.put(_Add(prompt_token_ids, params, stream, guide, images))
+        self._commands.put(_Add(prompt_token_ids, params, stream, guide, images, lora))
         self._wake.set()
         if self.error is not None:
             # The engine died after the check above; its last drain may have missed this command.
@@ -243,12 +271,16 @@ class AsyncEngine:
             if isinstance(cmd, _Add):
                 try:
                     request_id = self._engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.guide,
-                                                          images=cmd.images)
+                                                          images=cmd.images, lora=cmd.lora)
                 except Exception as exc:  # noqa: BLE001 - fails this request only
                     self._loop.call_soon_threadsafe(_deliver, [(cmd.stream, exc)])
                     continue
                 cmd.stream.request_id = request_id
                 self._streams[request_id] = cmd.stream
+            elif isinstance(cmd, _AddLora):
+                self._engine.add_lora(cmd.adapter)  # checked by add_lora already
+            elif isinstance(cmd, _RemoveLora):
+                self._engine.remove_lora(cmd.key)
             elif cmd.stream.request_id is not None:
                 self._engine.abort_request(cmd.stream.request_id)
                 self._streams.pop(cmd.stream.request_id, None)

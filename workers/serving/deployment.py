@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 from ray import serve
 
-from workers.contract.chunks import GenerationChunk
+from workers.contract.chunks import ErrorInfo, GenerationChunk
 from workers.contract.model_config import ModelConfig
 from workers.contract.requests import GenerateRequest
 from workers.contract.serve_logs import route_to_serve_log
@@ -20,6 +20,7 @@ from workers.model.fused_projections import FusedProjection
 from workers.model.loader import LoadedModel
 from workers.serving.async_engine import AsyncEngine
 from workers.serving.engine_build import build_engine, vision_prompts
+from workers.serving.lora_adapters import WorkerAdapters
 from workers.serving.request_processor import RequestProcessor, Timeouts
 
 logger = logging.getLogger(__name__)
@@ -54,13 +55,23 @@ class ModelWorker:
         timeouts = Timeouts(engine_config.first_token_timeout_s, engine_config.request_timeout_s)
         self.processor = RequestProcessor(self.engine, loaded.tokenizer, timeouts, vision_prompts(loaded, self.config),
                                           stream_interval=engine_config.stream_interval)
+        self.adapters = WorkerAdapters(self.engine, self.config.lora, multiplexed=True)
+        self.adapters.check_configured()
         logger.info("model %s ready: %s", self.config.id, self.info())
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[list[GenerationChunk]]:
         """A request's chunks; each message holds everything pending when the worker got to
         send (one chunk per choice: a backlog is merged, never held for a timer)."""
+        if request.lora is not None and (error := await self.adapters.ensure(request.lora)) is not None:
+            yield [GenerationChunk(error=error)]
+            return
         async for batch in self.processor.stream(request):
             yield batch
+
+    async def check_lora_adapter(self, name: str, path: str) -> ErrorInfo | None:
+        """For POST /v1/load_lora_adapter: None when `path` holds an adapter this model can
+        serve (inside lora.adapter_dir), else the 400 to answer."""
+        return await self.adapters.check(name, path)
 
     def info(self) -> ModelInfo:
         engine = self.engine.describe()

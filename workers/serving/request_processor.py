@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 
 from workers.contract.chunks import ErrorInfo, GenerationChunk
 from workers.contract.grammar import GuidedDecodingError
+from workers.contract.lora import LoraAdapterError
 from workers.contract.requests import GenerateRequest
 from workers.contract.sampling_params import SamplingParams
 from workers.engine.limits import CapacityError
@@ -95,8 +96,9 @@ class RequestProcessor:
             params = self._resolve_params(request, len(prompt_ids))
             # Compiling a grammar can take milliseconds: neither the loop nor the engine waits.
             guide = await asyncio.to_thread(self.engine.compile_guide, params) if params.guided else None
-            stream = self.engine.add_request(prompt_ids, params, guide, images=prompt.images)
-        except (PromptError, GuidedDecodingError, CapacityError, EngineDeadError) as exc:
+            stream = self.engine.add_request(prompt_ids, params, guide, images=prompt.images,
+                                             lora=request.lora.key if request.lora is not None else None)
+        except (PromptError, GuidedDecodingError, CapacityError, EngineDeadError, LoraAdapterError) as exc:
             outbox.put(request.request_id, _refusal(request, exc))
             return None
         reasoning_open = _opens_reasoning(prompt.text, request.reasoning_start)
@@ -143,6 +145,8 @@ def _refusal(request: GenerateRequest, exc: Exception) -> GenerationChunk:
         param = request.params.guided.param if request.params.guided else None
         return GenerationChunk(error=ErrorInfo(400, f"the output constraint cannot be used: {exc}", param=param,
                                                code="invalid_grammar"))
+    if isinstance(exc, LoraAdapterError):
+        return GenerationChunk(error=ErrorInfo(400, str(exc), param="model", code="invalid_lora_adapter"))
     if isinstance(exc, CapacityError):
         prompt_param = "prompt" if request.prompt is not None else "messages"
         param = "max_tokens" if request.max_tokens is not None and not exc.prompt_alone else prompt_param
