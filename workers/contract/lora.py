@@ -27,7 +27,7 @@ class LoraRequest:
     key: str
 
     @classmethod
-    def of(cls, name: str, path: str, generation: str = "config") -> "LoraRequest":
+    def of(cls, name: str, path: str, generation: str = "config") -> LoraRequest:
         digest = hashlib.blake2b(f"{name}\0{path}\0{generation}".encode(), digest_size=8).hexdigest()
         return cls(name=name, path=path, key=f"{name}@{digest}")
 

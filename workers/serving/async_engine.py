@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from workers.contract.lora import LoraAdapterError
 from workers.contract.sampling_params import SamplingParams
 from workers.engine.engine_info import EngineDescription, EngineStats
 from workers.engine.events import TokenEvent
@@ -106,6 +107,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[int, RequestStream] = {}
+        self._lora_keys: set[str] = set()  # adapters registered, as callers see them (the command order)
         self._stopped = False
         self.error: BaseException | None = None
         self.steps = 0
@@ -185,11 +187,13 @@ class AsyncEngine:
         """Check `adapter` against the model now (raises LoraAdapterError), then register it;
         a request queued after this call finds it (commands run in order)."""
         self.check_lora(adapter)
+        self._lora_keys.add(adapter.key)
         self._commands.put(_AddLora(adapter))
         self._wake.set()
 
     def remove_lora(self, key: str) -> None:
         """Forget an adapter for later requests (queued and running ones finish with it)."""
+        self._lora_keys.discard(key)
         self._commands.put(_RemoveLora(key))
         self._wake.set()
 
@@ -197,12 +201,15 @@ class AsyncEngine:
         self, prompt_token_ids: list[int], params: SamplingParams, guide: GuideState | None = None, *,
         images: ImageInputs | None = None, lora: str | None = None,
     ) -> RequestStream:
-        """Check the request now (raises CapacityError, or GuidedDecodingError for a grammar
-        that does not compile), then queue it for the engine thread. A guided request's
-        grammar is compiled here, on the caller's thread, unless `guide` is given."""
+        """Check the request now (raises CapacityError, GuidedDecodingError for a grammar
+        that does not compile, or LoraAdapterError for an adapter not registered), then queue
+        it for the engine thread. A guided request's grammar is compiled here, on the
+        caller's thread, unless `guide` is given."""
         if not self.alive:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
         self.check_request(prompt_token_ids, params)
+        if lora is not None and lora not in self._lora_keys:
+            raise LoraAdapterError(f"LoRA adapter {lora!r} is not loaded on this worker")
         if guide is None:
             guide = self.compile_guide(params)
         stream = RequestStream()
