@@ -9,6 +9,7 @@ from ray.serve import Application
 
 from serve_app.app_config import parse_app_config
 from serve_app.ingress import ChatIngress
+from serve_app.lora_registry import LoraRegistry
 from workers.serving.deployment import ModelWorker
 
 
@@ -17,7 +18,8 @@ def worker_deployment_name(model_id: str) -> str:
 
 
 def build_app(args: dict[str, Any]) -> Application:
-    """Validate the config (a bad key fails here, named) and bind ingress + one worker per model."""
+    """Validate the config (a bad key fails here, named) and bind ingress + one worker per
+    model (+ the LoRA registry when a model serves adapters)."""
     config = parse_app_config(args)
     workers = {
         model.id: ModelWorker.options(
@@ -25,4 +27,5 @@ def build_app(args: dict[str, Any]) -> Application:
         ).bind(model.model_dump())
         for model in config.models
     }
-    return ChatIngress.options(**config.ingress.serve_options()).bind(config.model_dump(), workers)
+    registry = LoraRegistry.bind() if any(m.lora is not None for m in config.models) else None
+    return ChatIngress.options(**config.ingress.serve_options()).bind(config.model_dump(), workers, registry)

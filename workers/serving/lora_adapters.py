@@ -48,7 +48,10 @@ class WorkerAdapters:
         self._held: dict[str, _Held] = {}  # outside Serve: everything loaded stays
         self._load: Callable[[str], Awaitable[_Held]] = self._load_key
         if multiplexed and config is not None:
-            self._load = serve.multiplexed(max_num_models_per_replica=config.max_loras)(self._multiplexed_load)
+            async def load(key: str) -> _Held:  # a plain function: Serve keeps its LRU state on it
+                return await self._read_and_add(key)
+
+            self._load = serve.multiplexed(max_num_models_per_replica=config.max_loras)(load)
 
     def check_configured(self) -> None:
         """Read and check every adapter the config names (raises LoraAdapterError): a bad one
@@ -95,9 +98,6 @@ class WorkerAdapters:
             raise LoraAdapterError(f"LoRA adapter {request.name!r}: this model serves no LoRA adapters")
         if config.adapters.get(request.name) != request.path:
             adapter_path_inside(config.adapter_dir, request.path)
-
-    async def _multiplexed_load(self, key: str) -> _Held:
-        return await self._read_and_add(key)
 
     async def _load_key(self, key: str) -> _Held:
         held = self._held.get(key)

@@ -5,6 +5,7 @@ caller that stops early cancels the worker's sequence. Also the handle API's val
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 from ray.serve.exceptions import BackPressureError
@@ -16,6 +17,7 @@ from serve_app.http.errors import APIError
 from serve_app.http.metrics import STATUS_CLIENT_GONE, IngressMetrics
 from serve_app.worker_call import accumulate, call_worker, relay
 from workers.contract.chunks import ErrorInfo, GenerationChunk
+from workers.contract.lora import LoraRequest
 from workers.contract.requests import GenerateRequest
 from workers.contract.sampling_params import SamplingParams
 
@@ -54,10 +56,13 @@ class FakeHandle:
     def __init__(self, items: list) -> None:
         self.call = FakeCall(items)
         self.sent: list[GenerateRequest] = []
+        self.multiplexed: list[str] = []
         self.generate = self
 
-    def options(self, stream: bool) -> FakeHandle:
+    def options(self, stream: bool = True, multiplexed_model_id: str | None = None) -> FakeHandle:
         assert stream
+        if multiplexed_model_id is not None:
+            self.multiplexed.append(multiplexed_model_id)
         return self
 
     def remote(self, request: GenerateRequest) -> FakeCall:
@@ -83,6 +88,15 @@ def test_the_first_chunk_is_awaited_and_the_rest_follow():
         return [c.text async for c in call.rest]
 
     assert asyncio.run(rest()) == ["b"]
+
+
+def test_an_adapter_request_is_routed_by_its_key():
+    lora = LoraRequest.of("sql", "/adapters/sql")
+    handle = FakeHandle([text("a", "stop")])
+    asyncio.run(call_worker(handle, dataclasses.replace(REQUEST, lora=lora)))
+    assert handle.multiplexed == [lora.key]
+    plain, _ = start([text("a", "stop")])
+    assert plain.multiplexed == []
 
 
 def test_a_worker_error_in_the_first_chunk_keeps_its_status_and_renames_its_param():
