@@ -148,7 +148,7 @@ class ChatIngress(HandleAPI):
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         req = await self._parse(request, ChatCompletionRequest)
-        target = await self.adapters.resolve(req.model)
+        target = await self._target(req.model)
         handle = self._worker(target.base_model)
         request_id = new_request_id()
         gen_request = await self._chat_generate_request(req, request_id, target)
@@ -162,7 +162,7 @@ class ChatIngress(HandleAPI):
     @api.post("/lm/v2/chat/completions")
     async def lm_v2_chat_completions(self, request: Request) -> Response:
         req = await self._parse(request, lm_v2.LmV2ChatRequest)
-        target = await self.adapters.resolve(req.model)
+        target = await self._target(req.model)
         handle = self._worker(target.base_model)
         request_id = lm_v2.new_request_id()
         gen_request = dataclasses.replace(lm_v2.to_generate_request(req, request_id), lora=target.lora)
@@ -175,7 +175,7 @@ class ChatIngress(HandleAPI):
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         req = await self._parse(request, completions.CompletionRequest)
-        target = await self.adapters.resolve(req.model)
+        target = await self._target(req.model)
         handle = self._worker(target.base_model)
         request_id = completions.new_request_id()
         gen_request = dataclasses.replace(completions.to_generate_request(req, request_id), lora=target.lora)
@@ -196,6 +196,14 @@ class ChatIngress(HandleAPI):
         req = parse_request(model_cls, data)
         record.set_request(req)
         return req
+
+    async def _target(self, model: str) -> Target:
+        """What `model` names (404 if nothing); an adapter's requests are counted under its
+        base model in /metrics (adapter names would make the label set unbounded)."""
+        target = await self.adapters.resolve(model)
+        if (record := current_record()) is not None:
+            record.model = self.metrics.model_label(target.base_model)
+        return target
 
     async def _parse_admin(self, request: Request, model_cls: type) -> Any:
         """API key, then the body: the adapter routes' request model or an APIError (no

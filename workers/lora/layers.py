@@ -76,6 +76,7 @@ class LoraLinear(nn.Module):
         self.in_features, self.out_features = base.in_features, base.out_features
         self.bounds = list(bounds)
         self.rank = rank
+        self.num_slots = num_slots
         self.width = len(self.bounds) * rank  # stacked rows one slot takes
         self.context = context
         rows = num_slots * self.width

@@ -157,27 +157,36 @@ def _slot_key(seq: Sequence) -> int:
 
 def wrap_targets(model: nn.Module, limits: LoraLimits, context: LoraContext) -> dict[str, LoraTarget]:
     """Wrap each target projection of the model's language model in a LoraLinear, in place
-    (a fused group once, its siblings as parts); returns the targets by module path."""
+    (a fused group once, its siblings as parts); returns the targets by module path. A
+    model an earlier engine wrapped (the GPU's memory-profiling engine, tests, benchmarks)
+    keeps its layers when their shape fits, now answering to `context` (the earlier engine
+    must not step again: one live engine a model)."""
     dtype, device = _dtype_device(model)
     targets: dict[str, LoraTarget] = {}
     modules = dict(model.named_modules())
+
+    def layer(current: nn.Module, bounds: list[tuple[int, int]]) -> LoraLinear:
+        if isinstance(current, LoraLinear):
+            if (current.num_slots, current.rank) == (limits.max_loras, limits.max_rank):
+                current.context = context  # its slots are written before any use: stale values never show
+                return current
+            current = current.base
+        return LoraLinear(current, bounds, limits.max_loras, limits.max_rank, context, dtype, device)
+
     for name in _language_model_names(model, modules):
-        leaf = name.rsplit(".", 1)[-1]
         module = modules[name]
-        if leaf not in LORA_TARGETS:
+        if name.rsplit(".", 1)[-1] not in LORA_TARGETS:
             continue
         if isinstance(module, ProjectionSlice):
             fused = module.fused
-            if not isinstance(fused.linear, LoraLinear):
-                fused.linear = LoraLinear(fused.linear, fused.bounds, limits.max_loras, limits.max_rank, context,
-                                          dtype, device)
+            if not (isinstance(fused.linear, LoraLinear) and fused.linear.context is context):  # once a group
+                fused.linear = layer(fused.linear, fused.bounds)
             targets[name] = LoraTarget(fused.linear, module.index)
-        elif type(module) in (nn.Linear, PackedLinear):
-            layer = LoraLinear(module, [(0, module.out_features)], limits.max_loras, limits.max_rank, context,
-                               dtype, device)
+        elif type(module) in (nn.Linear, PackedLinear, LoraLinear):
+            wrapped = layer(module, [(0, module.out_features)])
             parent_name, _, child = name.rpartition(".")
-            setattr(modules[parent_name] if parent_name else model, child, layer)
-            targets[name] = LoraTarget(layer, 0)
+            setattr(modules[parent_name] if parent_name else model, child, wrapped)
+            targets[name] = LoraTarget(wrapped, 0)
     return targets
 
 

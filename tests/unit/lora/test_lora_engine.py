@@ -176,3 +176,26 @@ def test_prefix_cache_keeps_adapters_apart(paged_model, tiny_model, tiny_tokeniz
         events = run_to_completion(engine)[request_id]
         assert (engine.blocks.hit_tokens > before) == found, name
         assert [e.token_id for e in events] == _expected(tiny_model, adapter_dirs, name, prompt, 3), name
+
+
+def test_a_later_engine_on_the_same_model_rewraps_it(paged_model, tiny_model, tiny_tokenizer, adapter_dirs,
+                                                     adapter_requests):
+    # As on a GPU: the memory-profiling engine wraps the model first, then the real engine.
+    fuse_sibling_projections(paged_model)
+    prompt = prompt_ids(tiny_tokenizer)[3]
+
+    def check(engine) -> None:
+        ids = {name: engine.add_request(prompt, greedy(4), lora=adapter_requests[name].key) for name in adapter_dirs}
+        events = run_to_completion(engine)
+        for name, request_id in ids.items():
+            assert [e.token_id for e in events[request_id]] == _expected(tiny_model, adapter_dirs, name, prompt, 4)
+
+    first = _lora_engine(paged_model, adapter_requests)
+    check(first)
+    same = _lora_engine(paged_model, adapter_requests)
+    assert {id(t.layer) for t in same.lora.targets.values()} == {id(t.layer) for t in first.lora.targets.values()}
+    check(same)  # the slots the first engine filled are written again before use
+    wider = _lora_engine(paged_model, adapter_requests, lora=LoraLimits(max_loras=2, max_rank=16))
+    assert all(t.layer.rank == 16 and t.layer.context is wider.lora.context for t in wider.lora.targets.values())
+    assert not any(isinstance(t.layer.base, type(t.layer)) for t in wider.lora.targets.values())
+    check(wider)
