@@ -35,6 +35,10 @@ class SchedulerConfig:
     max_prefill_tokens_while_decoding: int | None = None
 
 
+def _adapter_slot(chunk: ScheduledChunk) -> int:
+    return -1 if chunk.seq.lora_slot is None else chunk.seq.lora_slot
+
+
 class AdapterSlots(Protocol):
     """The engine's LoRA slots (workers/lora/manager.py): a sequence holds its adapter's slot while it runs."""
 
@@ -87,6 +91,11 @@ class Scheduler:
         budget = self._schedule_running(batch, budget)
         if not batch.preempted:
             self._schedule_waiting(batch, budget)
+        if self.lora is not None:
+            # Prompt chunks of one adapter side by side: the LoRA layers then take one run of
+            # rows per adapter, not one per chunk (workers/lora/layers.py). The order of a
+            # step's chunks means nothing else.
+            batch.prefills.sort(key=_adapter_slot)
         return batch
 
     def continue_decodes(self, seqs: list[Sequence]) -> ScheduledBatch | None:

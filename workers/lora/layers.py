@@ -11,7 +11,8 @@ What a step computes is set by the model runner in the model's `LoraContext`:
 - `LoraSegments` (eager steps): runs of packed rows that share an adapter. The runner
   sorts decode rows by slot, and each prefill chunk is one sequence, so a step has about
   one run per adapter present; each run is two small matrix products on row slices
-  (no gather or scatter). Rows with no adapter are in no run and cost nothing.
+  (no gather or scatter). Rows with no adapter are in no run and cost nothing; nor does a
+  run whose adapter leaves this layer alone (PEFT's default adapts only q and v).
 - `LoraRowMask` (CUDA graph decode steps): each row's slot as a one-hot [rows, slots]
   computed on the device from the graph's slot-index input; the delta is taken over all
   slots and masked, so shapes never change and a replay serves any mix of adapters.
@@ -84,6 +85,20 @@ class LoraLinear(nn.Module):
                              persistent=False)
         self.register_buffer("lora_b", torch.zeros(rows, self.out_features, dtype=dtype, device=device),
                              persistent=False)
+        self.adapted = [False] * num_slots  # whether each slot's adapter has weights here
+        self._slot_views()
+
+    def _slot_views(self) -> None:
+        """Each slot's (Aᵀ, B) as views of the stacked buffers, made once: a run then costs
+        its two products only (the buffers are written in place, never replaced)."""
+        w = self.width
+        self.slot_weights = [(self.lora_a[s * w : (s + 1) * w].t(), self.lora_b[s * w : (s + 1) * w])
+                             for s in range(self.num_slots)]
+
+    def _apply(self, fn, recurse=True):
+        module = super()._apply(fn, recurse)  # .to() / .cuda() replace the buffers: views anew
+        self._slot_views()
+        return module
 
     @property
     def weight(self) -> torch.Tensor:
@@ -107,11 +122,11 @@ class LoraLinear(nn.Module):
         return y
 
     def _add_segments(self, x2: torch.Tensor, y2: torch.Tensor, step: LoraSegments) -> None:
-        width = self.width
+        adapted, weights = self.adapted, self.slot_weights
         for slot, start, end in step.runs:
-            first = slot * width
-            a, b = self.lora_a[first : first + width], self.lora_b[first : first + width]
-            y2[start:end].addmm_(x2[start:end] @ a.t(), b)
+            if adapted[slot]:
+                a_t, b = weights[slot]
+                y2[start:end].addmm_(x2[start:end] @ a_t, b)
 
     def load_slot(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write one adapter into `slot`: `parts` maps a part index to its (A [r, in],
@@ -120,6 +135,7 @@ class LoraLinear(nn.Module):
         with torch.no_grad():
             self.lora_a[first : first + self.width].zero_()
             self.lora_b[first : first + self.width].zero_()
+            self.adapted[slot] = bool(parts)
             for part, (a, b) in parts.items():
                 row, (start, end) = first + part * self.rank, self.bounds[part]
                 rank = a.shape[0]

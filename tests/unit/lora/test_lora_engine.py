@@ -199,3 +199,28 @@ def test_a_later_engine_on_the_same_model_rewraps_it(paged_model, tiny_model, ti
     assert all(t.layer.rank == 16 and t.layer.context is wider.lora.context for t in wider.lora.targets.values())
     assert not any(isinstance(t.layer.base, type(t.layer)) for t in wider.lora.targets.values())
     check(wider)
+
+
+def test_a_step_computes_one_run_per_adapter(paged_model, tiny_tokenizer, adapter_requests):
+    engine = _lora_engine(paged_model, adapter_requests)
+    names = ["all-r4", "attn-r8", None, "mlp-r2", "all-r4", "attn-r8", "mlp-r2", None]
+    prompts = prompt_ids(tiny_tokenizer)
+    for i, name in enumerate(names):
+        engine.add_request(prompts[i % len(prompts)], greedy(2), lora=adapter_requests[name].key if name else None)
+    steps = []
+    active = engine.lora.context.active
+
+    def recording(step):
+        steps.append(step)
+        return active(step)
+
+    engine.lora.context.active = recording
+    run_to_completion(engine)
+    prefill, decode = steps[0], steps[1]  # every prompt in the first step, then one token each
+    assert len(prefill.runs) == 3 and len(decode.runs) == 3  # interleaved requests, one run per adapter
+    assert [run[1] for run in prefill.runs] == sorted(run[1] for run in prefill.runs)
+    # Layers an adapter leaves alone skip its run: mlp-r2 adapts gate_proj and down_proj only.
+    slot = engine.lora.slots.slot_of(adapter_requests["mlp-r2"].key)
+    q = engine.lora.targets["model.layers.0.self_attn.q_proj"].layer
+    down = engine.lora.targets["model.layers.0.mlp.down_proj"].layer
+    assert not q.adapted[slot] and down.adapted[slot]
