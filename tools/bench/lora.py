@@ -3,7 +3,8 @@ the same load on the base model alone (`python -m tools.bench.engine lora`).
 
 Three engines take the same closed-loop load in turn (tools.bench.engine's `offline`
 load: the templated prompt, temperature 0.8, ignore_eos, C requests in flight), each
-round in the same order, and the median of the rounds is reported:
+round in the same order; the fastest round of each (on a shared machine, the least
+disturbed) and the median are reported, the ratio from the fastest:
   plain       the model as the worker loads it without a `lora` config (no LoRA layers)
   base rows   the model with LoRA layers and adapters registered, every request on the base
   adapters    the same engine, requests spread round-robin over the adapters
@@ -60,10 +61,10 @@ def register_adapters(engine, model: torch.nn.Module, count: int, rank: int) -> 
     return keys
 
 
-def compare(runs: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
-    """Each run once per round, in order; the median tok/s of each."""
+def compare(runs: dict[str, Callable[[], float]], rounds: int) -> dict[str, tuple[float, float]]:
+    """Each run once per round, in order; (fastest, median) tok/s of each."""
     results: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(rounds):
         for name, run in runs.items():
             results[name].append(run())
-    return {name: statistics.median(values) for name, values in results.items()}
+    return {name: (max(values), statistics.median(values)) for name, values in results.items()}
