@@ -70,7 +70,7 @@ def test_lora_mode_compares_adapter_rows_with_the_base_model(tiny_model_dir, cap
     out = capsys.readouterr().out
     rates = dict(re.findall(r"^(plain|base rows|2 adapters)\s+c=4 n=8 max_tokens=4:\s+([\d.]+) tok/s", out, re.M))
     assert set(rates) == {"plain", "base rows", "2 adapters"} and all(float(v) > 0 for v in rates.values())
-    assert re.search(r"rank 4, 2 adapters / plain: [\d.]+%", out)
+    assert re.search(r"rank 4 on q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj, 2 adapters / plain: [\d.]+%", out)
 
 
 def test_random_adapters_are_read_back_as_peft_adapters(tiny_model, tmp_path):

@@ -55,6 +55,7 @@ from workers.model.loader import load_model
 from workers.serving.host_memory import keep_freed_memory
 
 from tools.bench import lora as lora_bench
+from workers.lora.manager import LORA_TARGETS
 
 PROMPT = "Write a long story about a robot who learns to paint."
 BENCH_PROMPT = "Write a long story about a robot who learns to paint. Use vivid detail."  # tools.bench.load's
@@ -305,7 +306,7 @@ def run_lora(args, loaded) -> None:
                             pack_cpu_weights=not args.no_pack, fuse_projections=not args.no_fuse).model
     engine = configured_engine(lora_model, lora_bench.with_lora(config, args.adapters, args.rank))
     # Adapters are written from the plain copy: its module names are the PEFT names.
-    keys = lora_bench.register_adapters(engine, loaded.model, args.adapters, args.rank)
+    keys = lora_bench.register_adapters(engine, loaded.model, args.adapters, args.rank, tuple(args.targets))
     for warm in (plain, engine):
         offline_level(warm, prompt_ids, 1, 1, 4)
     c, n, m = args.concurrency[0], args.num_requests or max(8, 2 * args.concurrency[0]), args.max_tokens
@@ -318,7 +319,8 @@ def run_lora(args, loaded) -> None:
              for name, (best, median) in results.items()]
     plain_best = results["plain"][0]
     ratio = results[f"{args.adapters} adapters"][0] / plain_best
-    print("\n".join(lines) + f"\nrank {args.rank}, {args.adapters} adapters / plain: {ratio:.1%} "
+    print("\n".join(lines) + f"\nrank {args.rank} on {','.join(args.targets)}, {args.adapters} adapters / plain: "
+          f"{ratio:.1%} "
           f"(target >= 80%); base rows / plain: {results['base rows'][0] / plain_best:.1%}", flush=True)
 
 
@@ -510,7 +512,9 @@ def main(argv: list[str] | None = None) -> None:
     lora = sub.add_parser("lora", parents=[serving_load], help="the offline load spread over LoRA adapters vs the "
                           "base model alone")
     lora.add_argument("--adapters", type=int, default=4, help="adapters the requests are spread over")
-    lora.add_argument("--rank", type=int, default=16, help="their rank (every attention and MLP projection)")
+    lora.add_argument("--rank", type=int, default=16, help="their rank")
+    lora.add_argument("--targets", nargs="+", default=list(LORA_TARGETS), choices=LORA_TARGETS,
+                      help="the projections they adapt (default: every attention and MLP projection)")
     lora.add_argument("--repeat", type=int, default=3, help="rounds; the median of each engine's is shown")
     fair = sub.add_parser("fairness", help="decode inter-token latency while a long prompt is prefilled")
     fair.add_argument("--streams", type=int, default=16)

@@ -50,12 +50,14 @@ def with_lora(config: ModelConfig, adapters: int, rank: int) -> ModelConfig:
     return config.model_copy(update={"lora": LoraConfig(max_loras=adapters, max_lora_rank=rank)})
 
 
-def register_adapters(engine, model: torch.nn.Module, count: int, rank: int) -> list[str]:
+def register_adapters(engine, model: torch.nn.Module, count: int, rank: int,
+                      targets: tuple[str, ...] = LORA_TARGETS) -> list[str]:
     """Write `count` random adapters of `model`, register them with `engine`; their keys."""
     root = Path(tempfile.mkdtemp(prefix="chatserve-lora-bench-"))
     keys = []
     for i in range(count):
-        request = LoraRequest.of(f"bench-{i}", str(write_random_adapter(model, root / f"a{i}", seed=i, rank=rank)))
+        path = write_random_adapter(model, root / f"a{i}", seed=i, rank=rank, targets=targets)
+        request = LoraRequest.of(f"bench-{i}", str(path))
         engine.add_lora(read_peft_adapter(request))
         keys.append(request.key)
     return keys
