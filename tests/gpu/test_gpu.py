@@ -220,13 +220,8 @@ def test_lora_rows_on_cuda_match_peft_merged(graphs, tmp_path):
         engine.add_lora(read_peft_adapter(request))
     prompts = _prompts(8)
     keys = [None, requests[0].key, requests[1].key, requests[2].key] * 2
-    ids = [engine.add_request(p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), lora=k)
-           for p, k in zip(prompts, keys)]
-    out: dict[int, list[int]] = {i: [] for i in ids}
-    while engine.has_work():
-        for ev in engine.step():
-            out[ev.request_id].append(ev.token_id)
+    outputs = greedy_outputs(engine, prompts, [6] * len(prompts), keys)
     references = [cpu_base] + [merged_model(cpu_base, d) for d in dirs]
-    for request_id, prompt, key in zip(ids, prompts, keys):
+    for tokens, prompt, key in zip(outputs, prompts, keys):
         reference = references[0 if key is None else 1 + [r.key for r in requests].index(key)]
-        assert out[request_id] == merged_greedy(reference, prompt, 6)
+        assert tokens == merged_greedy(reference, prompt, 6)

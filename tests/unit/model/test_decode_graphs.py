@@ -185,13 +185,7 @@ def test_interpreted_lora_graph_steps_match_the_eager_lora_engine(tmp_path):
     for engine in (reference, graphed):
         for adapter in adapters:
             engine.add_lora(adapter)
-        ids = [engine.add_request(p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), lora=k)
-               for p, k in zip(prompts, keys)]
-        events: dict[int, list[int]] = {i: [] for i in ids}
-        while engine.has_work():
-            for ev in engine.step():
-                events[ev.request_id].append(ev.token_id)
-        outputs.append([events[i] for i in ids])
+        outputs.append(greedy_outputs(engine, prompts, [6] * len(prompts), keys))
     assert outputs[0] == outputs[1]
     replays = {variant: sum(g.replays for (_, v), g in graphed.runner.decode_graphs.graphs.items() if v == variant)
                for variant in (False, True)}
