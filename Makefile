@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve serve-direct test test-gpu fuzz bench bench-cpu bench-transport bench-prefix bench-fairness bench-ttft-overhead bench-gpu soak faults clean
+.PHONY: install serve serve-direct test test-gpu fuzz bench bench-cpu bench-transport bench-prefix bench-fairness bench-lora bench-ttft-overhead bench-gpu soak faults clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -61,6 +61,10 @@ bench-prefix: $(STAMP)
 bench-fairness: $(STAMP)
 	$(BIN)/python -m tools.bench.engine fairness --streams 16 --long-prompt 2000 --budget 256 2048
 	$(BIN)/python -m tools.bench.engine fairness --streams 16 --long-prompt 2000 --budget 1024 --prefill-cap 64
+
+# LoRA: the offline load at c=32 spread over 4 rank-16 adapters vs the base model alone (CPU).
+bench-lora: $(STAMP)
+	$(BIN)/python -m tools.bench.engine lora --concurrency 32 --num-requests 64 --max-tokens 64 --adapters 4 --rank 16
 
 bench-ttft-overhead: $(STAMP)
 	tools/bench/ttft_overhead.sh 40

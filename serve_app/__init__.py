@@ -8,4 +8,6 @@
   dialects/      one module (or package) per request dialect, and what they share
   output/        reasoning, tool calls and content read out of a choice's text
   media.py       where images may come from
+  lora_adapters.py  which model or LoRA adapter a request names; load/unload rules
+  lora_registry.py  the adapters loaded at run time, shared by every ingress replica
 """

@@ -10,6 +10,7 @@ from ray.serve.config import RequestRouterConfig
 
 from serve_app.app_config import AppConfig, parse_app_config
 from serve_app.ingress import ChatIngress
+from serve_app.lora_registry import LoraRegistry
 from serve_app.transport.router import ROUTER_CLASS
 from workers.contract.model_config import ModelConfig
 from workers.serving.deployment import ModelWorker
@@ -20,10 +21,12 @@ def worker_deployment_name(model_id: str) -> str:
 
 
 def build_app(args: dict[str, Any]) -> Application:
-    """Validate the config (a bad key fails here, named) and bind ingress + one worker per model."""
+    """Validate the config (a bad key fails here, named) and bind ingress + one worker per
+    model (+ the LoRA registry when a model serves adapters)."""
     config = parse_app_config(args)
     workers = {model.id: worker_deployment(model, config).bind(model.model_dump()) for model in config.models}
-    return ChatIngress.options(**config.ingress.serve_options()).bind(config.model_dump(), workers)
+    registry = LoraRegistry.bind() if any(m.lora is not None for m in config.models) else None
+    return ChatIngress.options(**config.ingress.serve_options()).bind(config.model_dump(), workers, registry)
 
 
 def worker_deployment(model: ModelConfig, config: AppConfig):

@@ -82,10 +82,11 @@ class AppConfig(BaseModel):
     @field_validator("models")
     @classmethod
     def _unique_ids(cls, models: list[ModelConfig]) -> list[ModelConfig]:
-        ids = [m.id for m in models]
+        # Clients name a model or a LoRA adapter the same way (`model`): one namespace.
+        ids = [m.id for m in models] + [name for m in models if m.lora for name in m.lora.adapters]
         dupes = sorted({i for i in ids if ids.count(i) > 1})
         if dupes:
-            raise ValueError(f"model ids must be unique; repeated: {dupes}")
+            raise ValueError(f"model ids and LoRA adapter names must be unique; repeated: {dupes}")
         return models
 
     def model(self, model_id: str) -> ModelConfig | None:

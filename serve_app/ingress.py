@@ -10,7 +10,9 @@ Routes and the module that holds each dialect: `/v1/chat/completions`
 (dialects/chat/), `/lm/v2/chat/completions` (dialects/lm_v2.py), `/v1/completions`
 (dialects/completions.py). Each dialect supplies a request -> GenerateRequest translation,
 a streamer (`events(first, rest)` -> SSE text) and an accumulator (`add(chunk)`,
-`result().dump_json()`).
+`result().dump_json()`). A request's `model` may name a LoRA adapter of a served model
+(serve_app/lora_adapters.py); `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`
+change which adapters are served.
 """
 
 
@@ -24,7 +26,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from ray import serve
 from ray.serve.handle import DeploymentHandle
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import (
+    JSONResponse,
+    PlainTextResponse,
+    Response,
+    StreamingResponse,
+)
 
 from serve_app.app_config import AppConfig
 from serve_app.dialects import completions, lm_v2
@@ -43,6 +50,12 @@ from serve_app.http.metrics import (
     route_request_log_to_serve,
 )
 from serve_app.http.request_body import parse_request, read_json_body
+from serve_app.lora_adapters import (
+    AdapterCatalog,
+    LoadLoraAdapterRequest,
+    Target,
+    UnloadLoraAdapterRequest,
+)
 from serve_app.media import MediaResolver, first_image_param, image_error
 from serve_app.output.choice_parser import OutputParsing
 from serve_app.transport.channels import WorkerChannels
@@ -83,8 +96,11 @@ async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
 @serve.deployment(name="ChatIngress")
 @serve.ingress(api)
 class ChatIngress(HandleAPI):
-    def __init__(self, app_config: dict, workers: dict[str, DeploymentHandle]) -> None:
+    def __init__(self, app_config: dict, workers: dict[str, DeploymentHandle],
+                 lora_registry: DeploymentHandle | None = None) -> None:
+        """`lora_registry`: the app's LoraRegistry (serve_app/lora_registry.py), when a model serves adapters."""
         self.config = AppConfig.model_validate(app_config)
+        self.adapters = AdapterCatalog(self.config, lora_registry)
         self.auth = APIKeyAuth.from_options(self.config.server)  # reads the key env var / file here
         self.media = MediaResolver(self.config.server.media)
         self.workers = {model: over_grpc(handle) for model, handle in workers.items()}
@@ -121,15 +137,40 @@ class ChatIngress(HandleAPI):
                 ModelCard(id=model_id, object="model", created=self.created, owned_by="chatserve",
                           max_model_len=info.max_model_len)
             )
+        for adapter in await self.adapters.registered():
+            info = await self._info(adapter.base_model)
+            cards.append(ModelCard(id=adapter.request.name, object="model", created=self.created,
+                                   owned_by="chatserve", max_model_len=info.max_model_len,
+                                   root=adapter.request.path, parent=adapter.base_model))
         return Response(ModelList(object="list", data=cards).dump_json(), media_type="application/json")
+
+    @api.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's route: serve the PEFT adapter at `lora_path` (inside the model's
+        lora.adapter_dir) as `lora_name`, checked by a worker replica first."""
+        req = await self._parse_admin(request, LoadLoraAdapterRequest)
+        base, path = self.adapters.load_target(req)
+        error = await self.workers[base].check_lora_adapter.remote(req.lora_name, path)
+        if error is not None:
+            raise APIError.from_info(error)
+        await self.adapters.register(req.lora_name, base, path)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    @api.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """vLLM's route: stop serving a run-time adapter (requests already running finish)."""
+        req = await self._parse_admin(request, UnloadLoraAdapterRequest)
+        await self.adapters.unregister(req)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         req = await self._parse(request, ChatCompletionRequest)
-        transport = self._worker(req.model)
+        target = await self._target(req.model)
+        transport = self._worker(target.base_model)
         request_id = new_request_id()
-        gen_request = await self._chat_generate_request(req, request_id)
-        parsing = OutputParsing.of(req, self.config.model(req.model))
+        gen_request = await self._chat_generate_request(req, request_id, target)
+        parsing = OutputParsing.of(req, self.config.model(target.base_model))
         if req.stream:
             output = ChunkStreamer(request_id, req, self.config.server.full_text_enabled, parsing)
         else:
@@ -139,9 +180,10 @@ class ChatIngress(HandleAPI):
     @api.post("/lm/v2/chat/completions")
     async def lm_v2_chat_completions(self, request: Request) -> Response:
         req = await self._parse(request, lm_v2.LmV2ChatRequest)
-        transport = self._worker(req.model)
+        target = await self._target(req.model)
+        transport = self._worker(target.base_model)
         request_id = lm_v2.new_request_id()
-        gen_request = lm_v2.to_generate_request(req, request_id)
+        gen_request = dataclasses.replace(lm_v2.to_generate_request(req, request_id), lora=target.lora)
         if req.stream:
             output = lm_v2.LmV2Streamer(request_id, req)
         else:
@@ -151,10 +193,11 @@ class ChatIngress(HandleAPI):
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         req = await self._parse(request, completions.CompletionRequest)
-        transport = self._worker(req.model)
+        target = await self._target(req.model)
+        transport = self._worker(target.base_model)
         request_id = completions.new_request_id()
-        gen_request = completions.to_generate_request(req, request_id)
-        await self._check_token_ids(req.model, gen_request.params)
+        gen_request = dataclasses.replace(completions.to_generate_request(req, request_id), lora=target.lora)
+        await self._check_token_ids(target.base_model, gen_request.params)
         if req.stream:
             output = completions.CompletionStreamer(request_id, req)
         else:
@@ -171,6 +214,21 @@ class ChatIngress(HandleAPI):
         req = parse_request(model_cls, data)
         record.set_request(req)
         return req
+
+    async def _target(self, model: str) -> Target:
+        """What `model` names (404 if nothing); an adapter's requests are counted under its
+        base model in /metrics (adapter names would make the label set unbounded)."""
+        target = await self.adapters.resolve(model)
+        if (record := current_record()) is not None:
+            record.model = self.metrics.model_label(target.base_model)
+        return target
+
+    async def _parse_admin(self, request: Request, model_cls: type) -> Any:
+        """API key, then the body: the adapter routes' request model or an APIError (no
+        metrics record: they generate nothing)."""
+        self.auth.check(request.headers.get("authorization"))
+        data = await read_json_body(request, self.config.server.max_request_bytes)
+        return parse_request(model_cls, data)
 
     async def _respond(self, transport: WorkerChannels, gen_request: GenerateRequest, stream_response: bool,
                        output: Streamer | Accumulator, param_names: Mapping[str, str] | None = None) -> Response:
@@ -189,12 +247,14 @@ class ChatIngress(HandleAPI):
         record.finish(200)
         return Response(body, media_type="application/json")
 
-    async def _chat_generate_request(self, req: ChatCompletionRequest, request_id: str) -> GenerateRequest:
+    async def _chat_generate_request(self, req: ChatCompletionRequest, request_id: str,
+                                     target: Target) -> GenerateRequest:
         """A chat request as the worker's (HTTP and the handle API): token ids checked
-        against the vocabulary, images fetched."""
-        gen_request = to_generate_request(req, request_id, self.config.model(req.model))
-        await self._check_token_ids(req.model, gen_request.params)
-        return await self._with_images(req.model, gen_request)
+        against the vocabulary, images fetched, the adapter `model` named."""
+        gen_request = to_generate_request(req, request_id, self.config.model(target.base_model))
+        gen_request = dataclasses.replace(gen_request, lora=target.lora)
+        await self._check_token_ids(target.base_model, gen_request.params)
+        return await self._with_images(target.base_model, gen_request)
 
     def _worker(self, model: str) -> WorkerChannels:
         transport = self.transports.get(model)

@@ -74,7 +74,9 @@ async def call_worker(transport: WorkerChannels, gen_request: GenerateRequest,
                       record: RequestRecord | None = None) -> WorkerCall:
     """Start the call and await its first chunk; a worker error in it raises APIError
     (`param_names` renames the worker's field names to the route's). With a `record`
-    (HTTP requests), every chunk is also recorded for the request's metrics."""
+    (HTTP requests), every chunk is also recorded for the request's metrics. A request
+    with a LoRA adapter goes by Serve's model multiplexing to a replica that holds it
+    (serve_app/transport/channels.py)."""
     stream: ChunkStream = transport.call(gen_request)
     if record is not None:
         stream = RecordingStream(stream, record)

@@ -219,6 +219,8 @@ class ModelCard(ResponseModel):
     created: int
     owned_by: str
     max_model_len: int
+    root: str | None = None  # a LoRA adapter: its directory (as vLLM lists it)
+    parent: str | None = None  # a LoRA adapter: the served model it adapts
 
 
 class ModelList(ResponseModel):

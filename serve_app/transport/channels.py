@@ -84,7 +84,10 @@ class WorkerChannels:
         return mailbox
 
     def _send(self, request: GenerateRequest):
-        return self._handle.options(stream=True).generate.remote(dataclasses.replace(request, ingress_id=self.ingress_id))
+        handle = self._handle.options(stream=True)
+        if request.lora is not None:  # Serve's model multiplexing: a replica that holds the adapter
+            handle = handle.options(multiplexed_model_id=request.lora.key)
+        return handle.generate.remote(dataclasses.replace(request, ingress_id=self.ingress_id))
 
     def _forget(self, mailbox: RequestMailbox) -> None:
         self._mailboxes.pop(mailbox.worker_request_id, None)

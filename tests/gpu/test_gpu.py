@@ -194,3 +194,38 @@ def test_async_scheduling_matches_sync_on_cuda(graphs):
     assert _run(fast_engine, requests) == sync
     assert fast_engine.async_steps > 0
     assert any(events[-1][2] == "stop" for events in sync)
+
+
+@pytest.mark.parametrize("graphs", [32, 0], ids=["graphs", "eager"])
+def test_lora_rows_on_cuda_match_peft_merged(graphs, tmp_path):
+    """LoRA on the device: decode steps replay the LoRA graphs (the slot index a graph input)
+    or run eagerly (row runs); three adapters and the base in one batch, each equal to
+    peft's merged model."""
+    from tests.support.lora_adapters import (
+        merged_greedy,
+        merged_model,
+        write_peft_adapter,
+    )
+    from workers.contract.lora import LoraRequest
+    from workers.engine.limits import LoraLimits
+    from workers.lora.peft_files import read_peft_adapter
+
+    cpu_base = build_tiny_llama(VOCAB)
+    dirs = [write_peft_adapter(cpu_base, tmp_path / f"a{i}", seed=i, rank=2 + 2 * i) for i in range(3)]
+    model = _model(fuse=True)
+    per_token = KVCacheShape.from_model_config(model.config, model.dtype).bytes_per_token
+    limits = EngineLimits(block_size=4, kv_cache_bytes=512 * 4 * per_token, max_num_seqs=64,
+                          max_num_batched_tokens=512, max_model_len=256, cuda_graph_max_batch=graphs,
+                          lora=LoraLimits(max_loras=4, max_rank=8))
+    engine = LLMEngine(model, frozenset(), limits, CUDA)
+    assert (engine.runner.decode_graphs is not None) == bool(graphs)
+    requests = [LoraRequest.of(f"a{i}", str(d)) for i, d in enumerate(dirs)]
+    for request in requests:
+        engine.add_lora(read_peft_adapter(request))
+    prompts = _prompts(8)
+    keys = [None, requests[0].key, requests[1].key, requests[2].key] * 2
+    outputs = greedy_outputs(engine, prompts, [6] * len(prompts), keys)
+    references = [cpu_base] + [merged_model(cpu_base, d) for d in dirs]
+    for tokens, prompt, key in zip(outputs, prompts, keys):
+        reference = references[0 if key is None else 1 + [r.key for r in requests].index(key)]
+        assert tokens == merged_greedy(reference, prompt, 6)

@@ -61,3 +61,23 @@ def test_engine_limits_clip_the_window_and_keep_async_scheduling_to_cuda():
                                        "deployment": {"ray_actor_options": {"num_gpus": 1}}})
     assert engine_limits(cuda, 2048).async_scheduling is True
     assert engine_limits(cuda, 2048).max_model_len == 2048  # no configured length: the model's window
+
+
+def test_lora_mode_compares_adapter_rows_with_the_base_model(tiny_model_dir, capsys):
+    bench_engine.main(["--source", str(tiny_model_dir), "lora", "--concurrency", "4", "--num-requests", "8",
+                       "--max-tokens", "4", "--prompt", "Hello there", "--adapters", "2", "--rank", "4",
+                       "--repeat", "1"])
+    out = capsys.readouterr().out
+    rates = dict(re.findall(r"^(plain|base rows|2 adapters)\s+c=4 n=8 max_tokens=4:\s+([\d.]+) tok/s", out, re.M))
+    assert set(rates) == {"plain", "base rows", "2 adapters"} and all(float(v) > 0 for v in rates.values())
+    assert re.search(r"rank 4 on q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj, 2 adapters / plain: [\d.]+%", out)
+
+
+def test_random_adapters_are_read_back_as_peft_adapters(tiny_model, tmp_path):
+    from tools.bench.lora import write_random_adapter
+    from workers.contract.lora import LoraRequest
+    from workers.lora.peft_files import read_peft_adapter
+
+    path = write_random_adapter(tiny_model, tmp_path / "a", seed=0, rank=3)
+    adapter = read_peft_adapter(LoraRequest.of("a", str(path)))
+    assert adapter.rank == 3 and len(adapter.modules) == 7 * tiny_model.config.num_hidden_layers

@@ -8,6 +8,7 @@
     python -m tools.bench.engine worker --concurrency 1 32  # the worker's request path, no Ray
     python -m tools.bench.engine prefix --prefix-tokens 1000  # TTFT: first vs second request sharing a prefix
     python -m tools.bench.engine fairness --streams 16 --long-prompt 2000 --budget 256 2048
+    python -m tools.bench.engine lora --concurrency 32 --adapters 4 --rank 16  # rows over 4 adapters vs base
 
 `decode --guided` runs the same batch a second time with each request constrained by
 BENCH_SCHEMA (an array of at least 1000 objects, so no row can finish early) and reports
@@ -42,11 +43,13 @@ from pathlib import Path
 import torch
 import yaml
 
+from tools.bench import lora as lora_bench
 from workers.contract.model_config import ModelConfig
 from workers.contract.sampling_params import GuidedDecoding, SamplingParams
 from workers.engine.kv_sizing import sized_engine_limits
 from workers.engine.limits import EngineLimits
 from workers.engine.llm_engine import LLMEngine
+from workers.lora.manager import LORA_TARGETS
 from workers.model import cpu_linear
 from workers.model.attention import register_paged_attention
 from workers.model.fused_projections import fuse_sibling_projections
@@ -242,18 +245,23 @@ class OfflineReport:
 
 
 def offline_level(engine: LLMEngine, prompt_ids: list[int], concurrency: int, num_requests: int,
-                  max_tokens: int) -> OfflineReport:
+                  max_tokens: int, loras: tuple[str | None, ...] = (None,)) -> OfflineReport:
+    """`loras`: the adapter keys requests take in turn (None: the base model)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.8, ignore_eos=True)
     added: dict[int, float] = {}
     times: dict[int, list[float]] = {}
+
+    def add() -> None:
+        added[engine.add_request(prompt_ids, params, lora=loras[len(added) % len(loras)])] = time.perf_counter()
+
     start = time.perf_counter()
     for _ in range(min(concurrency, num_requests)):
-        added[engine.add_request(prompt_ids, params)] = time.perf_counter()
+        add()
     while engine.has_work():
         for event in engine.step():
             times.setdefault(event.request_id, []).append(event.time)
             if event.request_finished and len(added) < num_requests:  # closed loop, as the HTTP bench
-                added[engine.add_request(prompt_ids, params)] = time.perf_counter()
+                add()
     wall = time.perf_counter() - start
     ttfts = [(times[r][0] - added[r]) * 1000 for r in added]
     tpots = [(t[-1] - t[0]) / (len(t) - 1) * 1000 for t in times.values() if len(t) > 1]
@@ -280,6 +288,39 @@ def write_reports(path: str | None, reports: list, **facts) -> None:
     if path:
         with open(path, "w") as f:
             json.dump({**facts, "levels": [dataclasses.asdict(r) for r in reports]}, f, indent=2)
+
+
+# --- lora: the serving load spread over adapters vs the base model ------------------------
+
+
+def run_lora(args, loaded) -> None:
+    """tools/bench/lora.py says what the three engines are."""
+    messages = [{"role": "user", "content": args.prompt}]
+    prompt_ids = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                      return_dict=False)
+    config = served_model_config(args.config)
+    plain = configured_engine(loaded.model, config)
+    # A second copy of the model for the LoRA layers (they wrap its projections in place).
+    lora_model = load_model(args.source, dtype=args.dtype, attn_implementation=register_paged_attention(),
+                            pack_cpu_weights=not args.no_pack, fuse_projections=not args.no_fuse).model
+    engine = configured_engine(lora_model, lora_bench.with_lora(config, args.adapters, args.rank))
+    # Adapters are written from the plain copy: its module names are the PEFT names.
+    keys = lora_bench.register_adapters(engine, loaded.model, args.adapters, args.rank, tuple(args.targets))
+    for warm in (plain, engine):
+        offline_level(warm, prompt_ids, 1, 1, 4)
+    c, n, m = args.concurrency[0], args.num_requests or max(8, 2 * args.concurrency[0]), args.max_tokens
+    results = lora_bench.compare({
+        "plain": lambda: offline_level(plain, prompt_ids, c, n, m).output_tok_s,
+        "base rows": lambda: offline_level(engine, prompt_ids, c, n, m).output_tok_s,
+        f"{args.adapters} adapters": lambda: offline_level(engine, prompt_ids, c, n, m, tuple(keys)).output_tok_s,
+    }, args.repeat)
+    lines = [f"{name:<11} c={c} n={n} max_tokens={m}: {best:7.1f} tok/s (median {median:7.1f})"
+             for name, (best, median) in results.items()]
+    plain_best = results["plain"][0]
+    ratio = results[f"{args.adapters} adapters"][0] / plain_best
+    print("\n".join(lines) + f"\nrank {args.rank} on {','.join(args.targets)}, {args.adapters} adapters / plain: "
+          f"{ratio:.1%} "
+          f"(target >= 80%); base rows / plain: {results['base rows'][0] / plain_best:.1%}", flush=True)
 
 
 # --- worker: the worker's request path in this process (no Ray) -----------------------------
@@ -467,6 +508,13 @@ def main(argv: list[str] | None = None) -> None:
     prefix = sub.add_parser("prefix", help="TTFT of a request sharing a long prefix with an earlier one")
     prefix.add_argument("--prefix-tokens", type=int, default=1000)
     prefix.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
+    lora = sub.add_parser("lora", parents=[serving_load], help="the offline load spread over LoRA adapters vs the "
+                          "base model alone")
+    lora.add_argument("--adapters", type=int, default=4, help="adapters the requests are spread over")
+    lora.add_argument("--rank", type=int, default=16, help="their rank")
+    lora.add_argument("--targets", nargs="+", default=list(LORA_TARGETS), choices=LORA_TARGETS,
+                      help="the projections they adapt (default: every attention and MLP projection)")
+    lora.add_argument("--repeat", type=int, default=3, help="rounds; the median of each engine's is shown")
     fair = sub.add_parser("fairness", help="decode inter-token latency while a long prompt is prefilled")
     fair.add_argument("--streams", type=int, default=16)
     fair.add_argument("--long-prompt", type=int, default=2000)
@@ -487,7 +535,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command != "decode":
         loaded.model.set_attn_implementation(register_paged_attention())
     commands = {"decode": run_decode, "packing": run_packing, "fusion": run_fusion, "offline": run_offline,
-                "prefix": run_prefix, "fairness": run_fairness}
+                "prefix": run_prefix, "fairness": run_fairness, "lora": run_lora}
     commands[args.command](args, loaded)
 
 

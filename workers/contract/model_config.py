@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 BUILTIN_DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
 CPU_DEFAULT_KV_CACHE_GIB = 1.0
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9._:/@+-]{1,128}")
 
 
 class _Strict(BaseModel):
@@ -101,6 +103,33 @@ class ResumeConfig(_Strict):
                              "ends it with 503 worker_failed")
     replica_wait_s: float = Field(60, gt=0, description="how long a broken request keeps trying to reach a "
                                   "replica (a new one may be starting) before it ends with 503 worker_failed")
+class LoraConfig(_Strict):
+    """LoRA adapters on one base model (workers/lora/): PEFT directories, served by name."""
+
+    adapters: dict[str, str] = Field(
+        default_factory=dict, description="adapters served from the start: name (what clients pass as `model`) "
+        "-> PEFT directory (adapter_config.json + adapter_model.safetensors); checked when the worker starts")
+    adapter_dir: str | None = Field(
+        None, min_length=1, description="POST /v1/load_lora_adapter loads only paths that resolve inside this "
+        "directory (symlinks followed); unset: no adapters loaded at run time")
+    max_loras: int = Field(
+        4, ge=1, le=64, description="adapters one worker replica holds at once (device slots; Serve routes an "
+        "adapter's requests to replicas holding it); more are evicted least recently used first")
+    max_lora_rank: int = Field(
+        16, ge=1, le=512, description="the largest adapter rank accepted (the slots are this wide); a larger one "
+        "is a 400")
+
+    @model_validator(mode="after")
+    def _names(self) -> "LoraConfig":
+        for name in self.adapters:
+            check_adapter_name(name)
+        return self
+
+
+def check_adapter_name(name: str) -> None:
+    """An adapter name is what clients pass as `model`: printable, no spaces, at most 128 characters."""
+    if not ADAPTER_NAME.fullmatch(name):
+        raise ValueError(f"adapter name {name!r} must be 1-128 characters of letters, digits and ._:/@+-")
 
 
 class ModelConfig(_Strict):
@@ -133,6 +162,9 @@ class ModelConfig(_Strict):
         "hermes", description="the format the model writes tool calls in (serve_app/output/tool_parsers.py)")
     reasoning_parser: Literal["deepseek_r1"] | None = Field(
         None, description="split `<think>...</think>` into reasoning_content on /v1 (serve_app/output/reasoning.py)")
+    lora: LoraConfig | None = Field(
+        None, description="LoRA adapters served on this model, each by its own name; unset: none (no LoRA code "
+        "on the model's path)")
 
     @model_validator(mode="after")
     def _gpu_needs_gpu(self) -> "ModelConfig":
@@ -141,4 +173,6 @@ class ModelConfig(_Strict):
             raise ValueError("device 'cuda' needs deployment.ray_actor_options.num_gpus > 0")
         if self.device == "cpu" and gpus:
             raise ValueError("device 'cpu' with deployment.ray_actor_options.num_gpus > 0 wastes a GPU")
+        if self.lora is not None and self.id in self.lora.adapters:
+            raise ValueError(f"lora.adapters: adapter name {self.id!r} is the model's own id")
         return self

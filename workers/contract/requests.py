@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workers.contract.continuation import Continuation
+from workers.contract.lora import LoraRequest
 from workers.contract.sampling_params import SamplingParams
 
 
@@ -58,4 +59,5 @@ class GenerateRequest:
     # worker replica has one open (serve_app/transport/channels.py), else by the call itself.
     ingress_id: str | None = None
     resume: Continuation | None = None  # go on from output already delivered (workers/contract/continuation.py)
+    lora: LoraRequest | None = None  # the adapter `model` named (None: the base model)
 

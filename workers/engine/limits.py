@@ -11,6 +11,12 @@ from workers.contract.model_config import ModelConfig
 
 
 @dataclass(frozen=True)
+class LoraLimits:
+    max_loras: int  # adapter slots: adapters resident at once
+    max_rank: int  # the slots' rank; a larger adapter is refused
+
+
+@dataclass(frozen=True)
 class EngineLimits:
     block_size: int = 16
     kv_cache_bytes: int = 512 * 1024**2
@@ -21,6 +27,7 @@ class EngineLimits:
     max_prefill_tokens_while_decoding: int | None = None  # see SchedulerConfig
     cuda_graph_max_batch: int = 0  # CUDA: decode steps up to this batch replay graphs (0: off)
     async_scheduling: bool = False  # launch the next decode step before reading this one's tokens
+    lora: LoraLimits | None = None  # LoRA adapters served (None: no LoRA layers in the model)
 
 
 def model_window(model: torch.nn.Module) -> int:
@@ -41,6 +48,7 @@ def engine_limits(config: ModelConfig, model_window: int) -> EngineLimits:
         max_prefill_tokens_while_decoding=eng.max_prefill_tokens_while_decoding,
         cuda_graph_max_batch=eng.cuda_graph_max_batch_size,
         async_scheduling=eng.async_scheduling and config.device == "cuda",  # no overlap to win on a CPU
+        lora=LoraLimits(config.lora.max_loras, config.lora.max_lora_rank) if config.lora is not None else None,
     )
 
 

@@ -11,6 +11,7 @@ import itertools
 import torch
 
 from workers.contract.grammar import GuidedDecodingError
+from workers.contract.lora import LoraAdapterError
 from workers.contract.sampling_params import SamplingParams
 from workers.engine.async_overlap import AsyncOverlap
 from workers.engine.batch import ScheduledBatch
@@ -35,6 +36,8 @@ from workers.engine.resume import (
 from workers.engine.scheduler import Scheduler, SchedulerConfig
 from workers.engine.sequence import Sequence
 from workers.engine.step_recovery import StepRecovery
+from workers.lora.manager import LoraManager
+from workers.lora.peft_files import LoraAdapter
 from workers.model.cuda_graphs import DecodeGraphs
 from workers.model.kv_cache import PagedKVCache
 from workers.model.multimodal import ImageInputs
@@ -62,11 +65,13 @@ class LLMEngine:
         path = decode_path(device, limits)
         self.kv_cache = PagedKVCache(shape, num_blocks, limits.block_size, device, padding_block=path.graphs)
         self.blocks = BlockManager(num_blocks, limits.block_size, limits.enable_prefix_caching)
+        # Before the runner: its CUDA graphs capture the LoRA layers too.
+        self.lora = LoraManager(model, limits.lora) if limits.lora is not None else None
         self.scheduler = Scheduler(
             SchedulerConfig(limits.max_num_seqs, limits.max_num_batched_tokens,
-                            limits.max_prefill_tokens_while_decoding), self.blocks
+                            limits.max_prefill_tokens_while_decoding), self.blocks, self.lora
         )
-        self.runner = model_runner(model, self.kv_cache, device, path, limits, self.vocab_size)
+        self.runner = model_runner(model, self.kv_cache, device, path, limits, self.vocab_size, self.lora)
         self.sampler = Sampler()
         self.guided = guided_decoder(tokenizer, self.vocab_size, eos_token_ids)
         self._ids = itertools.count()
@@ -115,24 +120,47 @@ class LLMEngine:
         rules = OutputRules(self.eos_token_ids, self.limits.max_model_len, self.vocab_size)
         return replay_choices(prompt_token_ids, outputs, params, guide, rules)
 
+    def check_lora(self, adapter: LoraAdapter) -> None:
+        """Raise LoraAdapterError unless this engine can serve `adapter` (LoRA on, targets,
+        shapes, rank). Reads only fixed shapes, so any thread may call it."""
+        if self.lora is None:
+            raise LoraAdapterError(f"LoRA adapter {adapter.name!r}: this model serves no LoRA adapters")
+        self.lora.check(adapter)
+
+    def add_lora(self, adapter: LoraAdapter) -> None:
+        """Register `adapter` for requests that name its key (raises LoraAdapterError)."""
+        self.check_lora(adapter)
+        self.lora.add(adapter)
+
+    def remove_lora(self, key: str) -> bool:
+        """Forget an adapter for new requests (its queued and running ones finish with it)."""
+        return self.lora is not None and self.lora.remove(key)
+
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, guide: GuideState | None = None, *,
-                    images: ImageInputs | None = None, resume: list[ResumedChoice] | None = None) -> int:
+                    images: ImageInputs | None = None, resume: list[ResumedChoice] | None = None,
+                    lora: str | None = None) -> int:
         """Queue a request; returns its id. Choices 1..n-1 fork from choice 0 after the prompt.
         A guided request's grammar is compiled here unless `guide` (from compile_guide) is given.
         A request's images are encoded here, once (raises ImageEncodeError). `resume`
-        (from replay_output, unfinished choices only): go on from output already produced."""
+        (from replay_output, unfinished choices only): go on from output already produced.
+        `lora`: the key of a registered adapter (add_lora) to run the request with (raises
+        LoraAdapterError)."""
         self.check_request(prompt_token_ids, params)
+        adapter = self._adapter(lora)
         if params.guided is not None and guide is None and resume is None:
             guide = self.compile_guide(params)
+        salt = images.salt if images is not None else b""
         seq = Sequence(
             seq_id=next(self._ids),
             token_ids=list(prompt_token_ids),
             params=params,
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.limits.max_model_len,
-            cache_salt=images.salt if images is not None else b"",
+            # Another adapter's K/V differ for the same tokens: its blocks never match.
+            cache_salt=salt + adapter.key.encode() if adapter is not None else salt,
             image_features=self.runner.encode_images(images) if images is not None else None,
             guide=guide,
+            lora=adapter,
         )
         seqs = [seq] if resume is None else resumed_sequences(seq, resume, self._ids)
         self._requests[seq.request_id] = seqs
@@ -141,6 +169,13 @@ class LLMEngine:
         for choice in seqs:
             self.scheduler.add(choice)
         return seq.request_id
+
+    def _adapter(self, key: str | None) -> LoraAdapter | None:
+        if key is None:
+            return None
+        if self.lora is None:
+            raise LoraAdapterError(f"LoRA adapter {key!r}: this model serves no LoRA adapters")
+        return self.lora.get(key)
 
     def abort_request(self, request_id: int) -> None:
         seqs = self._requests.pop(request_id, [])

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.engine.limits import EngineLimits
+from workers.lora.manager import LoraManager
 from workers.model.cuda_graphs import DecodeGraphs
 from workers.model.kv_cache import KVCacheShape, PagedKVCache
 from workers.model.runner import ModelRunner
@@ -46,12 +47,13 @@ def decode_path(device: torch.device, limits: EngineLimits) -> DecodePath:
 
 
 def model_runner(model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device, path: DecodePath,
-                 limits: EngineLimits, vocab_size: int) -> ModelRunner:
-    """The runner, with its decode graphs captured when `path` says so."""
-    runner = ModelRunner(model, kv_cache, device, triton_decode=path.triton)
+                 limits: EngineLimits, vocab_size: int, lora: LoraManager | None = None) -> ModelRunner:
+    """The runner, with its decode graphs captured when `path` says so (with and without
+    LoRA rows when `lora` is given)."""
+    runner = ModelRunner(model, kv_cache, device, triton_decode=path.triton, lora=lora)
     if path.graphs:
         graphs = DecodeGraphs(model, kv_cache, min(limits.cuda_graph_max_batch, limits.max_num_seqs),
-                              limits.max_model_len, vocab_size)
+                              limits.max_model_len, vocab_size, lora)
         graphs.capture()
         runner.decode_graphs = graphs
     return runner

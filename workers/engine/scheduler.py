@@ -9,7 +9,8 @@ Policy (one step):
    cap and the free blocks allow. A sequence first takes the longest prefix of full
    blocks found in the prefix cache (no budget spent on them); a prompt longer than
    the remaining budget is prefilled in chunks over several steps, so decodes keep
-   flowing meanwhile.
+   flowing meanwhile. A sequence whose LoRA adapter finds no slot (every slot held by
+   running sequences of other adapters) stays waiting; those behind it may go.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 from workers.engine.batch import ScheduledBatch, ScheduledChunk
 from workers.engine.block_manager import BlockManager
@@ -33,10 +35,26 @@ class SchedulerConfig:
     max_prefill_tokens_while_decoding: int | None = None
 
 
+def _adapter_slot(chunk: ScheduledChunk) -> int:
+    return -1 if chunk.seq.lora_slot is None else chunk.seq.lora_slot
+
+
+class AdapterSlots(Protocol):
+    """The engine's LoRA slots (workers/lora/manager.py): a sequence holds its adapter's slot while it runs."""
+
+    def admit(self, seq: Sequence) -> bool: ...
+
+    def share(self, parent: Sequence, child: Sequence) -> None: ...
+
+    def release(self, seq: Sequence) -> None: ...
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 lora: AdapterSlots | None = None) -> None:
         self.config = config
         self.blocks = block_manager
+        self.lora = lora
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # While the engine isolates a failing step: schedule this request alone.
@@ -63,6 +81,8 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.blocks.free(seq)
+        if self.lora is not None:
+            self.lora.release(seq)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -71,6 +91,11 @@ class Scheduler:
         budget = self._schedule_running(batch, budget)
         if not batch.preempted:
             self._schedule_waiting(batch, budget)
+        if self.lora is not None:
+            # Prompt chunks of one adapter side by side: the LoRA layers then take one run of
+            # rows per adapter, not one per chunk (workers/lora/layers.py). The order of a
+            # step's chunks means nothing else.
+            batch.prefills.sort(key=_adapter_slot)
         return batch
 
     def continue_decodes(self, seqs: list[Sequence]) -> ScheduledBatch | None:
@@ -151,6 +176,8 @@ class Scheduler:
             n = self._chunk_size(seq.num_uncomputed_tokens - len(prefix) * self.blocks.block_size, budget)
             if n == 0 or not self.blocks.can_allocate(seq, n, prefix):
                 break
+            if seq.lora is not None and not self.lora.admit(seq):
+                continue  # its adapter waits for a slot; another adapter's (or none) may still go
             self.waiting.remove(seq)
             if seq.queue_time is None:
                 seq.queue_time = time.perf_counter() - seq.arrival_time
@@ -163,6 +190,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.blocks.free(seq)
+        if self.lora is not None:
+            self.lora.release(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         batch.preempted.append(seq)
@@ -183,6 +212,8 @@ class Scheduler:
         position = self.running.index(parent) + 1
         for child in children:
             self.blocks.fork(parent, child)
+            if self.lora is not None:
+                self.lora.share(parent, child)
         self.running[position:position] = children
 
     def drop(self, seq: Sequence) -> None:

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from workers.contract.sampling_params import SamplingParams
+from workers.lora.peft_files import LoraAdapter
 from workers.model.multimodal import ImageFeatures
 from workers.sampling.guided import GuideState
 from workers.sampling.seeded_draws import stream_key
@@ -59,10 +60,13 @@ class Sequence:
     # (token_id, logprob, top [(id, logprob)]) per prompt position after the first.
     prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
     # Prefix cache: mixed into the first block's hash, so equal token ids with different
-    # hidden content (e.g. image placeholders of different images) never share blocks.
+    # hidden content (image placeholders of different images, another LoRA adapter's
+    # K/V) never share blocks.
     cache_salt: bytes = b""
     image_features: ImageFeatures | None = None  # vision models: by prompt position, fed by the model runner
     guide: GuideState | None = None  # the grammar state when params.guided is set
+    lora: LoraAdapter | None = None  # its adapter (held here, so unloading it never strands a queued request)
+    lora_slot: int | None = None  # the adapter's device slot while the sequence runs (LoraManager.admit)
     block_hashes: list[bytes] = field(default_factory=list)  # chain hash of each full block, memoised
     num_cached_blocks: int = 0  # leading blocks of block_table already offered to the prefix cache
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
@@ -90,6 +94,7 @@ class Sequence:
             lead=False,
             cache_salt=self.cache_salt,
             image_features=self.image_features,
+            lora=self.lora,
         )
         child.num_prompt_tokens = self.num_prompt_tokens
         child.num_computed_tokens = self.num_computed_tokens

@@ -9,6 +9,11 @@ one static output buffer. A batch of n decodes runs the smallest captured size >
 the extra rows are padding: they write their K/V into a padding block of the cache that
 no sequence owns, and attend to one slot of it.
 
+With LoRA adapters, each size is captured twice: plain, and with the LoRA layers reading
+each row's adapter slot from one more static input row (workers/lora/layers.py,
+`LoraRowMask`), so one replay serves any mix of adapters and rows without one; a step
+with no adapter row replays the plain graph and pays nothing for LoRA.
+
 Attention inside the graph is the Triton paged kernel (its loop bound is each row's
 context length, read on the device), so one graph serves every context length.
 Prefill and mixed steps stay eager (their shapes vary with every chunk).
@@ -18,10 +23,13 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 
 import torch
 
 from workers.engine.batch import ScheduledChunk
+from workers.lora.layers import LoraRowMask
+from workers.lora.manager import LoraManager
 from workers.model.attention import AttentionMetadata
 from workers.model.kv_cache import PagedKVCache
 from workers.model.runner import decode_block_tables, decode_rows
@@ -40,7 +48,7 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, max_batch: int, max_model_len: int,
-                 vocab_size: int) -> None:
+                 vocab_size: int, lora: LoraManager | None = None) -> None:
         if kv_cache.padding_block is None:
             raise ValueError("CUDA graphs need a KV cache with a padding block")
         self.model = model
@@ -51,15 +59,21 @@ class DecodeGraphs:
         self.pad_slot = kv_cache.padding_block * kv_cache.block_size
         device = kv_cache.keys.device
         width = -(-max_model_len // kv_cache.block_size)
-        # Rows: token ids, positions, KV slots, context lengths; one buffer, so one copy fills them.
-        self.step_inputs = torch.tensor([[0], [0], [self.pad_slot], [1]], device=device).repeat(1, max_batch)
+        self.lora = lora
+        no_adapter = lora.limits.max_loras if lora is not None else 0
+        # Rows: token ids, positions, KV slots, context lengths, LoRA slots (max_loras: none);
+        # one buffer, so one copy fills them.
+        self.step_inputs = torch.tensor([[0], [0], [self.pad_slot], [1], [no_adapter]],
+                                        device=device).repeat(1, max_batch)
         self.input_ids = self.step_inputs[0:1]  # [1, max_batch] views, as the model takes them
         self.positions = self.step_inputs[1:2]
         self.slots = self.step_inputs[2]
         self.context_lens = self.step_inputs[3]
+        self.lora_slots = self.step_inputs[4]
+        self.no_adapter = no_adapter
         self.block_tables = torch.full((max_batch, width), self.pad_block, dtype=torch.long, device=device)
         self.logits = torch.empty(max_batch, vocab_size, dtype=torch.float32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (batch size, with LoRA)
 
     @property
     def max_batch(self) -> int:
@@ -74,18 +88,20 @@ class DecodeGraphs:
         each graph's activations are free again once it finishes."""
         start = time.perf_counter()
         pool = None
+        variants = (False, True) if self.lora is not None else (False,)
         for size in reversed(self.sizes):
-            self._forward(size)  # warm-up: cuBLAS handles, Triton compile, lazy inits
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._forward(size)
-            pool = graph.pool()
-            self.graphs[size] = graph
+            for with_lora in variants:
+                self._forward(size, with_lora)  # warm-up: cuBLAS handles, Triton compile, lazy inits
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._forward(size, with_lora)
+                pool = graph.pool()
+                self.graphs[size, with_lora] = graph
         torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s", len(self.sizes), self.sizes[0],
+        logger.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s", len(self.graphs), self.sizes[0],
                     self.max_batch, time.perf_counter() - start)
 
-    def _forward(self, size: int) -> None:
+    def _forward(self, size: int, with_lora: bool = False) -> None:
         meta = AttentionMetadata(
             kv_cache=self.kv_cache,
             slot_mapping=self.slots[:size],
@@ -96,9 +112,20 @@ class DecodeGraphs:
             decode_context_lens=self.context_lens[:size],
             triton_decode=True,
         )
-        out = self.model(input_ids=self.input_ids[:, :size], position_ids=self.positions[:, :size],
-                         attn_metadata=meta, logits_to_keep=0, use_cache=False)
+        with self._lora_rows(size, with_lora):
+            out = self.model(input_ids=self.input_ids[:, :size], position_ids=self.positions[:, :size],
+                             attn_metadata=meta, logits_to_keep=0, use_cache=False)
         self.logits[:size].copy_(out.logits[0])
+
+    def _lora_rows(self, size: int, with_lora: bool):
+        """The LoRA layers' step inside the graph: each row's slot one-hot, computed on the
+        device from the slot-index input row (a padding row's `max_loras` matches none)."""
+        if not with_lora:
+            return nullcontext()
+        dtype = self.model.get_input_embeddings().weight.dtype
+        slots = torch.arange(self.no_adapter, device=self.lora_slots.device)
+        onehot = (self.lora_slots[:size].unsqueeze(1) == slots).to(dtype)
+        return self.lora.context.active(LoraRowMask(onehot))
 
     def run(self, decodes: list[ScheduledChunk], token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Fill the static inputs (padding rows included, so no stale row writes a live
@@ -111,10 +138,12 @@ class DecodeGraphs:
         ids, positions, slots = decode_rows(decodes, self.block_size, token_ids is None)
         ctx_lens = [p + 1 for p in positions]
         tables = decode_block_tables(decodes, ctx_lens, self.block_size, self.pad_block, rows=size)
-        rows = [ids + [0] * pad, positions + [0] * pad, slots + [self.pad_slot] * pad, ctx_lens + [1] * pad]
+        adapters = self.lora.row_slots(decodes) if self.lora is not None else [self.no_adapter] * n
+        rows = [ids + [0] * pad, positions + [0] * pad, slots + [self.pad_slot] * pad, ctx_lens + [1] * pad,
+                adapters + [self.no_adapter] * pad]
         self.step_inputs[:, :size].copy_(torch.tensor(rows), non_blocking=True)
         self.block_tables[:size, : tables.shape[1]].copy_(tables, non_blocking=True)
         if token_ids is not None:
             self.input_ids[0, :n].copy_(token_ids)
-        self.graphs[size].replay()
+        self.graphs[size, any(a != self.no_adapter for a in adapters)].replay()
         return self.logits[:n]

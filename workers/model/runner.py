@@ -4,6 +4,10 @@ All scheduled tokens of all sequences go into a single `[1, T]` row (decodes fir
 then prefill chunks) with their true position ids; `logits_to_keep` limits the LM head
 to the one position per sequence that samples this step.
 
+With LoRA adapters, the decode rows are packed sorted by adapter slot (their logits rows
+are put back in the caller's order), so each adapter's rows form one run
+(workers/lora/layers.py) and every prefill chunk is a run of its own sequence.
+
 A step that feeds image placeholder positions (vision-language models) is fed as
 `inputs_embeds`: the text embeddings of all its tokens, with those positions overwritten
 by the sequences' precomputed image features. Every other step feeds `input_ids`.
@@ -11,6 +15,7 @@ by the sequences' precomputed image features. Every other step feeds `input_ids`
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -23,6 +28,7 @@ from workers.model.kv_cache import PagedKVCache
 from workers.model.multimodal import ImageFeatures, ImageInputs, encode_images
 
 if TYPE_CHECKING:
+    from workers.lora.manager import LoraManager
     from workers.model.cuda_graphs import DecodeGraphs
 
 
@@ -39,10 +45,11 @@ class ModelInputs:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device,
-                 triton_decode: bool = False) -> None:
+                 triton_decode: bool = False, lora: LoraManager | None = None) -> None:
         """`triton_decode`: decode rows use the paged Triton kernel (CUDA) instead of a
-        masked SDPA over a padded gather."""
+        masked SDPA over a padded gather. `lora`: the model's LoRA layers and slots."""
         self.model = model
+        self.lora = lora
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = device
@@ -62,19 +69,34 @@ class ModelRunner:
         graphs = self.decode_graphs
         if graphs is not None and not prefills and graphs.fits(len(decodes)) and not _feeds_images(decodes):
             return graphs.run(decodes, decode_token_ids), []
+        order = self.lora.decode_order(decodes) if self.lora is not None else None
+        if order is not None:
+            decodes = [decodes[i] for i in order]
+            if decode_token_ids is not None:
+                decode_token_ids = decode_token_ids[torch.tensor(order, device=decode_token_ids.device)]
         inputs = self.prepare(decodes, prefills, decode_token_ids)
         if inputs.image_embeds is None:
             feed = {"input_ids": inputs.input_ids}
         else:
             feed = {"inputs_embeds": self._embeds_with_images(inputs)}
-        out = self.model(
-            **feed,
-            position_ids=inputs.position_ids,
-            attn_metadata=inputs.attn_metadata,
-            logits_to_keep=inputs.logits_indices,
-            use_cache=False,
-        )
-        return out.logits[0].float(), inputs.prompt_rows
+        with self._lora_step(decodes, prefills):
+            out = self.model(
+                **feed,
+                position_ids=inputs.position_ids,
+                attn_metadata=inputs.attn_metadata,
+                logits_to_keep=inputs.logits_indices,
+                use_cache=False,
+            )
+        logits = out.logits[0].float()
+        if order is not None:
+            logits[: len(order)] = logits[: len(order)][_inverse(order, logits.device)]
+        return logits, inputs.prompt_rows
+
+    def _lora_step(self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]):
+        """The step's adapter runs set in the LoRA layers while the model runs (none: plain path)."""
+        if self.lora is None:
+            return nullcontext()
+        return self.lora.context.active(self.lora.segments(decodes, prefills))
 
     def encode_images(self, images: ImageInputs) -> ImageFeatures:
         return encode_images(self.model, images, self.device)
@@ -170,6 +192,11 @@ class ModelRunner:
         width = tables.shape[1] * self.block_size
         mask = torch.arange(width).unsqueeze(0) < lens.unsqueeze(1)
         meta.decode_mask = mask.view(len(decodes), 1, 1, width).to(self.device)
+
+
+def _inverse(order: list[int], device: torch.device) -> torch.Tensor:
+    """Row i of the sorted step is row order[i] of the caller's: where each caller's row went."""
+    return torch.argsort(torch.tensor(order)).to(device)
 
 
 def decode_rows(decodes: list[ScheduledChunk], block_size: int,

@@ -17,12 +17,14 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from workers.contract.lora import LoraAdapterError
 from workers.contract.sampling_params import SamplingParams
 from workers.engine.engine_info import EngineDescription, EngineStats
 from workers.engine.events import TokenEvent
 from workers.engine.limits import EngineLimits
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.resume import ResumedChoice
+from workers.lora.peft_files import LoraAdapter
 from workers.model.multimodal import ImageInputs
 from workers.sampling.guided import GuideState
 
@@ -41,11 +43,22 @@ class _Add:
     guide: GuideState | None
     images: ImageInputs | None = None
     resume: list[ResumedChoice] | None = None
+    lora: str | None = None  # a registered adapter's key
 
 
 @dataclass
 class _Abort:
     stream: "RequestStream"
+
+
+@dataclass
+class _AddLora:
+    adapter: LoraAdapter
+
+
+@dataclass
+class _RemoveLora:
+    key: str
 
 
 class RequestStream:
@@ -96,6 +109,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[int, RequestStream] = {}
+        self._lora_keys: set[str] = set()  # adapters registered, as callers see them (the command order)
         self._stopped = False
         self.error: BaseException | None = None
         self.steps = 0
@@ -172,21 +186,42 @@ class AsyncEngine:
     def describe(self) -> EngineDescription:
         return self._engine.describe()
 
+    def check_lora(self, adapter: LoraAdapter) -> None:
+        """Raise LoraAdapterError unless the engine can serve `adapter` (see LLMEngine.check_lora)."""
+        self._engine.check_lora(adapter)
+
+    def add_lora(self, adapter: LoraAdapter) -> None:
+        """Check `adapter` against the model now (raises LoraAdapterError), then register it;
+        a request queued after this call finds it (commands run in order)."""
+        self.check_lora(adapter)
+        self._lora_keys.add(adapter.key)
+        self._commands.put(_AddLora(adapter))
+        self._wake.set()
+
+    def remove_lora(self, key: str) -> None:
+        """Forget an adapter for later requests (queued and running ones finish with it)."""
+        self._lora_keys.discard(key)
+        self._commands.put(_RemoveLora(key))
+        self._wake.set()
+
     def add_request(
         self, prompt_token_ids: list[int], params: SamplingParams, guide: GuideState | None = None, *,
-        images: ImageInputs | None = None, resume: list[ResumedChoice] | None = None,
+        images: ImageInputs | None = None, resume: list[ResumedChoice] | None = None, lora: str | None = None,
     ) -> RequestStream:
-        """Check the request now (raises CapacityError, or GuidedDecodingError for a grammar
-        that does not compile), then queue it for the engine thread. A guided request's
-        grammar is compiled here, on the caller's thread, unless `guide` or `resume` (whose
-        choices carry their own, from replay_output) is given."""
+        """Check the request now (raises CapacityError, GuidedDecodingError for a grammar
+        that does not compile, or LoraAdapterError for an adapter not registered), then queue
+        it for the engine thread. A guided request's grammar is compiled here, on the
+        caller's thread, unless `guide` or `resume` (whose choices carry their own, from
+        replay_output) is given."""
         if not self.alive:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
         self.check_request(prompt_token_ids, params)
+        if lora is not None and lora not in self._lora_keys:
+            raise LoraAdapterError(f"LoRA adapter {lora!r} is not loaded on this worker")
         if guide is None and resume is None:
             guide = self.compile_guide(params)
         stream = RequestStream()
-        self._commands.put(_Add(prompt_token_ids, params, stream, guide, images, resume))
+        self._commands.put(_Add(prompt_token_ids, params, stream, guide, images, resume, lora))
         self._wake.set()
         if self.error is not None:
             # The engine died after the check above; its last drain may have missed this command.
@@ -251,12 +286,16 @@ class AsyncEngine:
             if isinstance(cmd, _Add):
                 try:
                     request_id = self._engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.guide,
-                                                          images=cmd.images, resume=cmd.resume)
+                                                          images=cmd.images, resume=cmd.resume, lora=cmd.lora)
                 except Exception as exc:  # noqa: BLE001 - fails this request only
                     self._loop.call_soon_threadsafe(_deliver, [(cmd.stream, exc)])
                     continue
                 cmd.stream.request_id = request_id
                 self._streams[request_id] = cmd.stream
+            elif isinstance(cmd, _AddLora):
+                self._engine.add_lora(cmd.adapter)  # checked by add_lora already
+            elif isinstance(cmd, _RemoveLora):
+                self._engine.remove_lora(cmd.key)
             elif cmd.stream.request_id is not None:
                 self._engine.abort_request(cmd.stream.request_id)
                 self._streams.pop(cmd.stream.request_id, None)

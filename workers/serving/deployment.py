@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 from ray import serve
 
-from workers.contract.chunks import GenerationChunk
+from workers.contract.chunks import ErrorInfo, GenerationChunk
 from workers.contract.model_config import ModelConfig
 from workers.contract.requests import GenerateRequest
 from workers.contract.serve_logs import route_to_serve_log
@@ -22,6 +22,7 @@ from workers.model.loader import LoadedModel
 from workers.serving.async_engine import AsyncEngine
 from workers.serving.channels import ChannelRegistry, until_closed
 from workers.serving.engine_build import build_engine, vision_prompts
+from workers.serving.lora_adapters import WorkerAdapters
 from workers.serving.request_processor import RequestProcessor, Timeouts
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,8 @@ class ModelWorker:
                                           stream_interval=engine_config.stream_interval)
         self.channels = ChannelRegistry()
         self._requests_by_channel = self._requests_by_call = 0
+        self.adapters = WorkerAdapters(self.engine, self.config.lora, multiplexed=True)
+        self.adapters.check_configured()
         logger.info("model %s ready: %s", self.config.id, self.info())
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[list[GenerationChunk] | ChannelReceipt]:
@@ -65,6 +68,9 @@ class ModelWorker:
         call ends with a `ChannelReceipt`), else by this call: each message holds everything
         pending when the worker got to send (a backlog is merged per choice, never held for
         a timer). Cancelling the call aborts the request."""
+        if request.lora is not None and (error := await self.adapters.ensure(request.lora)) is not None:
+            yield [GenerationChunk(error=error)]
+            return
         outbox = self.channels.get(request.ingress_id)
         if outbox is None:
             self._requests_by_call += 1
@@ -85,6 +91,11 @@ class ModelWorker:
                 yield batch
         finally:
             self.channels.close(ingress_id, outbox)
+
+    async def check_lora_adapter(self, name: str, path: str) -> ErrorInfo | None:
+        """For POST /v1/load_lora_adapter: None when `path` holds an adapter this model can
+        serve (inside lora.adapter_dir), else the 400 to answer."""
+        return await self.adapters.check(name, path)
 
     def info(self) -> ModelInfo:
         engine = self.engine.describe()

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from workers.contract.chunks import ErrorInfo, GenerationChunk
 from workers.contract.continuation import Continuation
 from workers.contract.grammar import GuidedDecodingError
+from workers.contract.lora import LoraAdapterError
 from workers.contract.requests import GenerateRequest
 from workers.contract.sampling_params import SamplingParams
 from workers.engine.limits import CapacityError
@@ -114,9 +115,11 @@ class RequestProcessor:
                 # Replaying the client's ids costs two short decodes a token: off the loop.
                 resume, done = await asyncio.to_thread(self._resume, request.resume, prompt_ids, params, guide,
                                                        choices, usage)
-            stream = None if resume == [] else self.engine.add_request(prompt_ids, params, guide,
-                                                                      images=prompt.images, resume=resume)
-        except (PromptError, GuidedDecodingError, CapacityError, EngineDeadError, ContinuationError) as exc:
+            lora = request.lora.key if request.lora is not None else None
+            stream = None if resume == [] else self.engine.add_request(prompt_ids, params, guide, images=prompt.images,
+                                                                      resume=resume, lora=lora)
+        except (PromptError, GuidedDecodingError, CapacityError, EngineDeadError, ContinuationError,
+                LoraAdapterError) as exc:
             outbox.put(request.request_id, _refusal(request, exc))
             return None
         for chunk in done:  # choices the given ids already end
@@ -192,6 +195,8 @@ def _refusal(request: GenerateRequest, exc: Exception) -> GenerationChunk:
         param = request.params.guided.param if request.params.guided else None
         return GenerationChunk(error=ErrorInfo(400, f"the output constraint cannot be used: {exc}", param=param,
                                                code="invalid_grammar"))
+    if isinstance(exc, LoraAdapterError):
+        return GenerationChunk(error=ErrorInfo(400, str(exc), param="model", code="invalid_lora_adapter"))
     if isinstance(exc, CapacityError):
         prompt_param = "prompt" if request.prompt is not None else "messages"
         param = "max_tokens" if request.max_tokens is not None and not exc.prompt_alone else prompt_param

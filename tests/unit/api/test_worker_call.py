@@ -19,6 +19,7 @@ from serve_app.http.metrics import STATUS_CLIENT_GONE, IngressMetrics
 from serve_app.transport.channels import WorkerChannels
 from serve_app.worker_call import accumulate, call_worker, relay
 from workers.contract.chunks import ErrorInfo, GenerationChunk
+from workers.contract.lora import LoraRequest
 from workers.contract.model_config import ResumeConfig
 from workers.contract.requests import GenerateRequest
 from workers.contract.sampling_params import SamplingParams
@@ -67,10 +68,13 @@ class FakeHandle:
     def __init__(self, items: list) -> None:
         self.call = FakeCall(items)
         self.sent: list[GenerateRequest] = []
+        self.multiplexed: list[str] = []
         self.generate = self
 
-    def options(self, stream: bool) -> FakeHandle:
+    def options(self, stream: bool = True, multiplexed_model_id: str | None = None) -> FakeHandle:
         assert stream
+        if multiplexed_model_id is not None:
+            self.multiplexed.append(multiplexed_model_id)
         return self
 
     def remote(self, request: GenerateRequest) -> FakeCall:
@@ -105,6 +109,15 @@ def test_the_first_chunk_is_awaited_and_the_rest_follow():
     (sent,) = handle.sent
     assert dataclasses.replace(sent, ingress_id=None) == REQUEST and sent.ingress_id  # it names its ingress
     assert (first, rest) == ("a", ["b"])
+
+
+def test_an_adapter_request_is_routed_by_its_key():
+    lora = LoraRequest.of("sql", "/adapters/sql")
+    handle = FakeHandle([text("a", "stop")])
+    asyncio.run(call_worker(WorkerChannels(handle, NO_RESUME), dataclasses.replace(REQUEST, lora=lora)))
+    assert handle.multiplexed == [lora.key]
+    plain, _ = called([text("a", "stop")])
+    assert plain.multiplexed == []
 
 
 def test_a_worker_error_in_the_first_chunk_keeps_its_status_and_renames_its_param():

@@ -1,0 +1,117 @@
+"""LoRA adapters at the ingress: which served model a request's `model` names (a base model
+or an adapter of one), the load and unload routes' rules, and the adapters' model cards.
+
+Adapters come from two places: the config (`lora.adapters` of a model: permanent, known
+to every replica from the config) and run-time loads (kept in the app's LoraRegistry
+deployment, serve_app/lora_registry.py). An adapter's `LoraRequest` travels in the
+worker request; its key is the call's `multiplexed_model_id`, which routes it to a worker
+replica that holds the adapter (serve_app/worker_call.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field
+from ray.serve.handle import DeploymentHandle
+
+from serve_app.app_config import AppConfig
+from serve_app.http.errors import APIError, not_found_model
+from serve_app.lora_registry import RegisteredAdapter
+from workers.contract.lora import LoraAdapterError, LoraRequest, adapter_path_inside
+from workers.contract.model_config import check_adapter_name
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's fields, and `base_model` when several models serve adapters)."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    base_model: str | None = None
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """POST /v1/unload_lora_adapter."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None  # vLLM's clients may send it; names are what identify adapters here
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a request's `model` names: a served model, with one of its adapters or none."""
+
+    base_model: str
+    lora: LoraRequest | None = None
+
+
+class AdapterCatalog:
+    def __init__(self, config: AppConfig, registry: DeploymentHandle | None) -> None:
+        """`registry`: the app's LoraRegistry (None when no model serves adapters)."""
+        self.config = config
+        self.registry = registry
+        self.configured: dict[str, Target] = {
+            name: Target(model.id, LoraRequest.of(name, path))
+            for model in config.models if model.lora is not None
+            for name, path in model.lora.adapters.items()
+        }
+
+    async def resolve(self, model: str) -> Target:
+        """The target of `model`, or a 404 naming what is served."""
+        if self.config.model(model) is not None:
+            return Target(model)
+        if (target := self.configured.get(model)) is not None:
+            return target
+        entry: RegisteredAdapter | None = await self.registry.get.remote(model) if self.registry else None
+        if entry is None:
+            raise not_found_model(model, [m.id for m in self.config.models] + list(self.configured))
+        return Target(entry.base_model, entry.request)
+
+    async def registered(self) -> list[RegisteredAdapter]:
+        """Every adapter served: the config's, then those loaded at run time."""
+        configured = [RegisteredAdapter(t.base_model, t.lora) for t in self.configured.values()]
+        return configured + (await self.registry.all.remote() if self.registry else [])
+
+    def load_target(self, req: LoadLoraAdapterRequest) -> tuple[str, str]:
+        """(base model id, resolved path) of a load, or the 400 / 404 that refuses it."""
+        try:
+            check_adapter_name(req.lora_name)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="lora_name") from None
+        if self.config.model(req.lora_name) is not None or req.lora_name in self.configured:
+            raise APIError(400, f"the name {req.lora_name!r} is already a served model", param="lora_name")
+        base = self._base_model(req.base_model)
+        try:
+            path = adapter_path_inside(self.config.model(base).lora.adapter_dir, req.lora_path)
+        except LoraAdapterError as exc:
+            raise APIError(400, f"LoRA adapter {req.lora_name!r}: {exc}", param="lora_path",
+                           code="invalid_lora_adapter") from None
+        return base, str(path)
+
+    async def register(self, name: str, base: str, path: str) -> None:
+        if await self.registry.register.remote(name, base, path) is None:
+            raise APIError(400, f"the LoRA adapter {name!r} is already loaded", param="lora_name")
+
+    async def unregister(self, req: UnloadLoraAdapterRequest) -> None:
+        if req.lora_name in self.configured:
+            raise APIError(400, f"the LoRA adapter {req.lora_name!r} comes from the config and cannot be unloaded",
+                           param="lora_name")
+        if self.registry is None or await self.registry.unregister.remote(req.lora_name) is None:
+            raise APIError(404, f"the LoRA adapter {req.lora_name!r} cannot be found", param="lora_name",
+                           code="lora_adapter_not_found")
+
+    def _base_model(self, requested: str | None) -> str:
+        with_lora = [m.id for m in self.config.models if m.lora is not None]
+        if requested is None:
+            if len(with_lora) != 1:
+                raise APIError(400, f"base_model is required: the models that serve LoRA adapters are {with_lora}",
+                               param="base_model")
+            return with_lora[0]
+        if self.config.model(requested) is None:
+            raise not_found_model(requested, [m.id for m in self.config.models])
+        if requested not in with_lora:
+            raise APIError(400, f"the model {requested!r} serves no LoRA adapters (its config has no `lora`)",
+                           param="base_model")
+        return requested

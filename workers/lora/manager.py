@@ -1,0 +1,204 @@
+"""One engine's LoRA state: the model's target layers wrapped, the adapters registered, the
+slots they occupy, and each step's rows by adapter.
+
+Runs on the engine thread (the scheduler admits and releases through it, the model runner
+asks it for a step's runs); `check` reads only fixed shapes, so any thread may call it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from workers.contract.lora import LoraAdapterError
+from workers.engine.batch import ScheduledChunk
+from workers.engine.limits import LoraLimits
+from workers.engine.sequence import Sequence
+from workers.lora.layers import LoraContext, LoraLinear, LoraSegments
+from workers.lora.peft_files import LoraAdapter, LoraModule
+from workers.lora.slots import LoraSlots
+from workers.model.cpu_linear import PackedLinear
+from workers.model.fused_projections import ProjectionSlice
+
+# The attention and MLP projections of Llama-style decoders (Llama, Mistral, Qwen2/3,
+# Gemma, SmolLM, ...): what PEFT's usual target_modules name, and what chatserve adapts.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoraTarget:
+    layer: LoraLinear
+    part: int  # which of the layer's parts (its sibling index in a fused projection)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        start, end = self.layer.bounds[self.part]
+        return end - start, self.layer.in_features
+
+
+class LoraManager:
+    def __init__(self, model: nn.Module, limits: LoraLimits) -> None:
+        self.limits = limits
+        self.context = LoraContext()
+        self.targets = wrap_targets(model, limits, self.context)
+        if not self.targets:
+            raise ValueError(f"the model has no LoRA target layer ({', '.join(LORA_TARGETS)})")
+        self.slots = LoraSlots(limits.max_loras)
+        self.adapters: dict[str, LoraAdapter] = {}  # registered, by key
+
+    # --- adapters ---------------------------------------------------------------------
+
+    def check(self, adapter: LoraAdapter) -> None:
+        """Raise LoraAdapterError (naming the adapter) unless every module it adapts is a
+        target of this model with matching shapes, within the rank limit."""
+        if adapter.rank > self.limits.max_rank:
+            raise LoraAdapterError(f"LoRA adapter {adapter.name!r}: rank {adapter.rank} is above this model's "
+                                   f"max_lora_rank {self.limits.max_rank}")
+        for module, weights in adapter.modules.items():
+            target = self.targets.get(module)
+            if target is None:
+                raise LoraAdapterError(f"LoRA adapter {adapter.name!r} adapts {module!r}, which is not a LoRA "
+                                       f"target of this model (its attention and MLP projections: "
+                                       f"{', '.join(LORA_TARGETS)})")
+            out_features, in_features = target.shape
+            if weights.a.shape[1] != in_features or weights.b.shape[0] != out_features:
+                raise LoraAdapterError(
+                    f"LoRA adapter {adapter.name!r}: {module!r} maps {weights.a.shape[1]} -> {weights.b.shape[0]} "
+                    f"features, the model's layer {in_features} -> {out_features} (another base model?)")
+
+    def add(self, adapter: LoraAdapter) -> None:
+        """Register `adapter` for new requests (checked first; raises LoraAdapterError)."""
+        self.check(adapter)
+        self.adapters[adapter.key] = adapter
+
+    def remove(self, key: str) -> bool:
+        """Forget `key` for new requests. Its running and waiting requests keep it (they hold
+        the weights); its slot is reused when it is the least recently used idle one."""
+        return self.adapters.pop(key, None) is not None
+
+    def get(self, key: str) -> LoraAdapter:
+        adapter = self.adapters.get(key)
+        if adapter is None:
+            raise LoraAdapterError(f"LoRA adapter {key!r} is not loaded on this worker")
+        return adapter
+
+    # --- slots (the scheduler's side) ---------------------------------------------------
+
+    def admit(self, seq: Sequence) -> bool:
+        """Give `seq` its adapter's slot, writing the weights in if the slot held another;
+        False when every slot is held by running sequences (the sequence waits)."""
+        grant = self.slots.acquire(seq.lora.key)
+        if grant is None:
+            return False
+        if grant.needs_load:
+            self._load(grant.slot, seq.lora)
+        seq.lora_slot = grant.slot
+        return True
+
+    def share(self, parent: Sequence, child: Sequence) -> None:
+        """A fork runs on its parent's slot."""
+        if parent.lora_slot is not None:
+            self.slots.acquire(parent.lora.key)
+            child.lora_slot = parent.lora_slot
+
+    def release(self, seq: Sequence) -> None:
+        if seq.lora_slot is not None:
+            self.slots.release(seq.lora.key)
+            seq.lora_slot = None
+
+    def _load(self, slot: int, adapter: LoraAdapter) -> None:
+        by_layer: dict[LoraLinear, dict[int, LoraModule]] = {}
+        for module, weights in adapter.modules.items():
+            target = self.targets[module]
+            by_layer.setdefault(target.layer, {})[target.part] = weights
+        for layer in dict.fromkeys(t.layer for t in self.targets.values()):
+            parts = by_layer.get(layer, {})
+            layer.load_slot(slot, {p: (w.a, w.b) for p, w in parts.items()})
+
+    # --- steps (the model runner's side) --------------------------------------------------
+
+    @staticmethod
+    def decode_order(decodes: list[ScheduledChunk]) -> list[int] | None:
+        """The decode rows sorted by slot (stable), so each adapter's rows are one run;
+        None when no decode has an adapter or they are in order already."""
+        slots = [_slot_key(c.seq) for c in decodes]
+        order = sorted(range(len(slots)), key=slots.__getitem__)
+        if order == list(range(len(slots))) or all(c.seq.lora_slot is None for c in decodes):
+            return None
+        return order
+
+    @staticmethod
+    def segments(decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]) -> LoraSegments | None:
+        """Runs of packed rows sharing an adapter (decodes first, one row each, then each
+        prefill chunk); None when no row has an adapter."""
+        runs: list[tuple[int, int, int]] = []
+        row = 0
+        for chunk in decodes + prefills:
+            slot, end = chunk.seq.lora_slot, row + chunk.num_tokens
+            if slot is not None:
+                if runs and runs[-1][0] == slot and runs[-1][2] == row:
+                    runs[-1] = (slot, runs[-1][1], end)
+                else:
+                    runs.append((slot, row, end))
+            row = end
+        return LoraSegments(tuple(runs)) if runs else None
+
+    def row_slots(self, decodes: list[ScheduledChunk]) -> list[int]:
+        """Each decode's slot, `max_loras` for none (a CUDA graph's slot-index input)."""
+        none = self.limits.max_loras
+        return [none if c.seq.lora_slot is None else c.seq.lora_slot for c in decodes]
+
+
+def _slot_key(seq: Sequence) -> int:
+    return -1 if seq.lora_slot is None else seq.lora_slot
+
+
+def wrap_targets(model: nn.Module, limits: LoraLimits, context: LoraContext) -> dict[str, LoraTarget]:
+    """Wrap each target projection of the model's language model in a LoraLinear, in place
+    (a fused group once, its siblings as parts); returns the targets by module path. A
+    model an earlier engine wrapped (the GPU's memory-profiling engine, tests, benchmarks)
+    keeps its layers when their shape fits, now answering to `context` (the earlier engine
+    must not step again: one live engine a model)."""
+    dtype, device = _dtype_device(model)
+    targets: dict[str, LoraTarget] = {}
+    modules = dict(model.named_modules())
+
+    def layer(current: nn.Module, bounds: list[tuple[int, int]]) -> LoraLinear:
+        if isinstance(current, LoraLinear):
+            if (current.num_slots, current.rank) == (limits.max_loras, limits.max_rank):
+                current.context = context  # its slots are written before any use: stale values never show
+                return current
+            current = current.base
+        return LoraLinear(current, bounds, limits.max_loras, limits.max_rank, context, dtype, device)
+
+    for name in _language_model_names(model, modules):
+        module = modules[name]
+        if name.rsplit(".", 1)[-1] not in LORA_TARGETS:
+            continue
+        if isinstance(module, ProjectionSlice):
+            fused = module.fused
+            if not (isinstance(fused.linear, LoraLinear) and fused.linear.context is context):  # once a group
+                fused.linear = layer(fused.linear, fused.bounds)
+            targets[name] = LoraTarget(fused.linear, module.index)
+        elif type(module) in (nn.Linear, PackedLinear, LoraLinear):
+            wrapped = layer(module, [(0, module.out_features)])
+            parent_name, _, child = name.rpartition(".")
+            setattr(modules[parent_name] if parent_name else model, child, wrapped)
+            targets[name] = LoraTarget(wrapped, 0)
+    return targets
+
+
+def _language_model_names(model: nn.Module, modules: dict[str, nn.Module]) -> list[str]:
+    """Module paths inside the language model (a vision tower's projections are not adapted)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    prefix = next((n for n, m in modules.items() if m is decoder), None) if decoder is not None else None
+    if not prefix:
+        return list(modules)
+    return [n for n in modules if n.startswith(prefix + ".")]
+
+
+def _dtype_device(model: nn.Module) -> tuple[torch.dtype, torch.device]:
+    embeddings = model.get_input_embeddings()
+    return embeddings.weight.dtype, embeddings.weight.device
