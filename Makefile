@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve serve-direct test test-gpu fuzz bench bench-cpu bench-transport bench-prefix bench-fairness bench-lora bench-ttft-overhead bench-gpu soak faults clean
+.PHONY: install serve test test-gpu fuzz bench bench-cpu bench-transport bench-prefix bench-fairness bench-lora bench-ttft-overhead bench-gpu soak faults clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -17,15 +17,22 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-serve: $(STAMP)
-	$(BIN)/serve run configs/default.yaml
+# How `serve run` starts Ray and Serve (docs/BENCHMARKS.md has the measurements behind it):
+# - HAProxy is the HTTP edge on port 8000, in front of each ingress replica's own port
+#   (8001 and up): one hop fewer than Serve's Python proxy; one thread (a second one only
+#   takes a core from the model on a small machine);
+# - Serve runs the replicas' code and their router on the replica's own event loop (the
+#   engine steps in a thread of its own, so the loop is never blocked by the model);
+# - Ray's workers run at normal priority (Ray's default nice 15 lets any client or
+#   neighbour process preempt the model).
+# tools/bench/compare.py starts the Serve path with the same variables (a test keeps them equal).
+SERVE_ENV := RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_HAPROXY_NBTHREAD=1 \
+	RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=8001 RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=8100 \
+	RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0 \
+	RAY_worker_niceness=0
 
-# The same, with Ray Serve's direct ingress: the ingress replica serves HTTP itself on port
-# 8001 (a second ingress replica on the node takes 8002, ...), skipping the proxy hop; the
-# proxy still answers on 8000. Needs a Ray started with these variables (serve run starts one).
-serve-direct: $(STAMP)
-	RAY_SERVE_ENABLE_DIRECT_INGRESS=1 RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=8001 \
-	RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=8100 $(BIN)/serve run configs/default.yaml
+serve: $(STAMP)
+	$(SERVE_ENV) $(BIN)/serve run configs/default.yaml
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
@@ -66,8 +73,10 @@ bench-fairness: $(STAMP)
 bench-lora: $(STAMP)
 	$(BIN)/python -m tools.bench.engine lora --concurrency 32 --num-requests 64 --max-tokens 64 --adapters 4 --rank 16
 
+# The TTFT the Serve path adds over the engine alone at concurrency 1 (4-token answers).
 bench-ttft-overhead: $(STAMP)
-	tools/bench/ttft_overhead.sh 40
+	$(BIN)/python -m tools.bench.compare --model default --levels 1 --max-tokens 4 --systems engine serve \
+		--label=-ttft
 
 bench-gpu: $(STAMP)
 	mkdir -p bench-results && $(BIN)/python -m tools.bench.gpu --shape 1b 8b --json bench-results/gpu.json

@@ -135,3 +135,15 @@ def test_validation_catches_a_broken_manifest(validator, break_it, where):
     break_it(doc)
     found = errors(validator, doc)
     assert any(e.startswith(where + ":") for e in found), found
+
+
+@pytest.mark.parametrize("name", sorted(MANIFESTS))
+def test_every_ray_container_runs_ray_as_make_serve_does(name):
+    from tools.bench.compare import SERVE_ENV
+
+    doc = manifest(name)["spec"]["rayClusterConfig"]
+    groups = [doc["headGroupSpec"], *doc["workerGroupSpecs"]]
+    for group in groups:
+        for container in group["template"]["spec"]["containers"]:
+            env = {item["name"]: item["value"] for item in container.get("env", [])}
+            assert env.items() >= SERVE_ENV.items(), (name, container["name"])

@@ -37,10 +37,23 @@ REPO = Path(__file__).resolve().parents[2]
 SERVE_PORT = 8000
 VLLM_PORT = 8011
 
-# How `make serve` starts Ray for the Serve path (the Makefile's SERVE_ENV, kept equal by a test).
+# How `make serve` starts Ray and Serve, less the HTTP edge (the Makefile's SERVE_ENV is
+# this plus EDGES[DEFAULT_EDGE]: a test keeps them equal; the Makefile says why each).
 SERVE_ENV = {
-    "RAY_worker_niceness": "0",  # Ray's default 15 lets any client or neighbour preempt the model
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+    "RAY_worker_niceness": "0",
 }
+
+# The HTTP edges Ray Serve offers: its proxy (port 8000), the ingress replica's own port
+# (direct ingress), or HAProxy in front of the replicas' ports (port 8000): (env, port).
+_REPLICA_PORTS = {"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "8001", "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "8100"}
+EDGES = {
+    "proxy": ({}, SERVE_PORT),
+    "direct": ({"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", **_REPLICA_PORTS}, 8001),
+    "haproxy": ({"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_NBTHREAD": "1", **_REPLICA_PORTS}, SERVE_PORT),
+}
+DEFAULT_EDGE = "haproxy"
 
 
 @dataclass(frozen=True)
@@ -102,14 +115,15 @@ def bench_engine(args, model: Model, mode: str, config: Path, report: Path) -> N
 
 
 def bench_serve(args, model: Model, config: Path, report: Path) -> None:
+    edge_env, port = EDGES[args.edge]
     extra = dict(item.split("=", 1) for item in args.serve_env)
-    env = {**os.environ, **SERVE_ENV, **extra, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, **SERVE_ENV, **edge_env, **extra, "PYTHONPATH": str(REPO)}
     log = open(args.out / "serve.log", "w")
     process = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", str(config)], cwd=REPO, env=env,
                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_ready(f"http://127.0.0.1:{SERVE_PORT}", 600, process)
-        load(args, f"http://127.0.0.1:{SERVE_PORT}", model.name, report)
+        wait_ready(f"http://127.0.0.1:{port}", 600, process)
+        load(args, f"http://127.0.0.1:{port}", model.name, report)
     finally:
         stop(process)
         subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], capture_output=True)
@@ -137,15 +151,16 @@ def levels(path: Path) -> dict[int, dict]:
 
 def summary(results: dict[str, dict[int, dict]]) -> str:
     engine, vllm = results.get("engine", {}), results.get("vllm", {})
-    lines = ["| system | c | output tok/s | vs engine offline | vs vLLM | TTFT med / p99 ms | TPOT med / p99 ms |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| system | c | output tok/s | vs engine offline | vs vLLM | TTFT med / p99 ms | TTFT over engine ms "
+             "| TPOT med / p99 ms |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for system, by_level in results.items():
         for c, level in sorted(by_level.items()):
             tok_s = level["output_tok_s"]
             vs_engine = f"{tok_s / engine[c]['output_tok_s']:.0%}" if c in engine else "-"
             vs_vllm = f"{tok_s / vllm[c]['output_tok_s']:.2f}x" if c in vllm else "-"
+            ttft_over = f"{level['ttft_median_ms'] - engine[c]['ttft_median_ms']:+.1f}" if c in engine else "-"
             lines.append(f"| {system} | {c} | {tok_s:.1f} | {vs_engine} | {vs_vllm} | "
-                         f"{level['ttft_median_ms']:.1f} / {level['ttft_p99_ms']:.1f} | "
+                         f"{level['ttft_median_ms']:.1f} / {level['ttft_p99_ms']:.1f} | {ttft_over} | "
                          f"{level['tpot_median_ms']:.1f} / {level['tpot_p99_ms']:.1f} |")
     return "\n".join(lines)
 
@@ -158,6 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--systems", nargs="+", default=["engine", "serve", "vllm"],
                         choices=["engine", "worker", "serve", "vllm"])
     parser.add_argument("--dtype", default="float32", help="every system's (vLLM's CPU build runs float32 here)")
+    parser.add_argument("--edge", choices=sorted(EDGES), default=DEFAULT_EDGE, help="the Serve path's HTTP edge")
     parser.add_argument("--serve-env", nargs="*", default=[], metavar="KEY=VALUE",
                         help="more environment for `serve run` (and so for Ray and the replicas)")
     parser.add_argument("--label", default="", help="added to the report files' names (A/B runs)")
