@@ -21,15 +21,16 @@ install: $(STAMP)
 # - HAProxy is the HTTP edge on port 8000, in front of each ingress replica's own port
 #   (8001 and up): one hop fewer than Serve's Python proxy; one thread (a second one only
 #   takes a core from the model on a small machine);
-# - Serve runs the replicas' code and their router on the replica's own event loop (the
-#   engine steps in a thread of its own, so the loop is never blocked by the model);
+# - Serve runs the replicas' code on the replica's own event loop, not a second thread (every
+#   chatserve method is async, and the engine steps in a thread of its own, so the loop is
+#   never blocked by the model). Handles keep their router on a loop of its own: a router
+#   on the caller's loop breaks handles used outside one (a driver script, sync code);
 # - Ray's workers run at normal priority (Ray's default nice 15 lets any client or
 #   neighbour process preempt the model).
 # tools/bench/compare.py starts the Serve path with the same variables (a test keeps them equal).
 SERVE_ENV := RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_HAPROXY_NBTHREAD=1 \
 	RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=8001 RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=8100 \
-	RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0 \
-	RAY_worker_niceness=0
+	RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 RAY_worker_niceness=0
 
 serve: $(STAMP)
 	$(SERVE_ENV) $(BIN)/serve run configs/default.yaml

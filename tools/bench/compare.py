@@ -41,7 +41,6 @@ VLLM_PORT = 8011
 # this plus EDGES[DEFAULT_EDGE]: a test keeps them equal; the Makefile says why each).
 SERVE_ENV = {
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
-    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
     "RAY_worker_niceness": "0",
 }
 

@@ -1,9 +1,9 @@
-"""Run by tests/serve/test_direct_ingress.py in a process of its own: Ray Serve's direct ingress
-must be switched on before Ray starts, so this starts its own Ray with it, serves the tiny
-model with API keys, and prints one JSON object of what the test checks.
+"""Run by tests/serve/test_http_edge.py in a process of its own: Serve's HTTP edge is chosen
+by environment variables read when Ray starts (the Makefile's SERVE_ENV: HAProxy on the
+HTTP port, in front of each ingress replica's own port), so this starts its own Ray with
+them, serves the tiny model with API keys, and prints one JSON object of what the test checks.
 
-    RAY_SERVE_ENABLE_DIRECT_INGRESS=1 RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=P \
-        RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=Q python -m tests.support.direct_ingress_app
+    <SERVE_ENV with free ports> CHATSERVE_EDGE_PORT=P python -m tests.support.http_edge_app
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-KEY = "sk-direct-ingress-check"
+KEY = "sk-http-edge-check"
 MESSAGES = [{"role": "user", "content": "Hello! How can I assist you today?"}]
 
 
@@ -34,27 +34,27 @@ def main() -> None:
     )
     from tests.support.tiny_models import write_tiny_model_dir
 
-    os.environ["CHATSERVE_DIRECT_TEST_KEYS"] = KEY
-    args = tiny_app_args(write_tiny_model_dir(Path(tempfile.mkdtemp(prefix="chatserve-direct-")) / "tiny"))
-    args["server"] = {"api_keys_env": "CHATSERVE_DIRECT_TEST_KEYS"}
+    os.environ["CHATSERVE_EDGE_TEST_KEYS"] = KEY
+    args = tiny_app_args(write_tiny_model_dir(Path(tempfile.mkdtemp(prefix="chatserve-edge-")) / "tiny"))
+    args["server"] = {"api_keys_env": "CHATSERVE_EDGE_TEST_KEYS"}
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    proxy_port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": proxy_port})
-    proxy = f"http://127.0.0.1:{proxy_port}"
+    edge_port = int(os.environ["CHATSERVE_EDGE_PORT"])
+    serve.start(http_options={"host": "127.0.0.1", "port": edge_port})
+    edge = f"http://127.0.0.1:{edge_port}"  # HAProxy
     try:
-        serve.run(build_app(args), name="direct", route_prefix="/", blocking=False)
-        direct = f"http://127.0.0.1:{os.environ['RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT']}"
+        serve.run(build_app(args), name="edge", route_prefix="/", blocking=False)
+        replica = f"http://127.0.0.1:{os.environ['RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT']}"
         auth = {"Authorization": f"Bearer {KEY}"}
-        wait_ready(direct, timeout=180, headers=auth)
+        wait_ready(edge, timeout=180, headers=auth)
         body = {"model": TINY_MODEL_ID, "messages": MESSAGES, "max_tokens": 12, "temperature": 0}
         result = {
-            "unauthorized": httpx.post(direct + "/v1/chat/completions", json=body, timeout=60).status_code,
-            "direct_text": _text(direct, body, auth),
-            "proxy_text": _text(proxy, body, auth),
-            "direct_stream_text": _stream_text(direct, body, auth),
+            "unauthorized": httpx.post(edge + "/v1/chat/completions", json=body, timeout=60).status_code,
+            "edge_text": _text(edge, body, auth),
+            "replica_text": _text(replica, body, auth),
+            "edge_stream_text": _stream_text(edge, body, auth),
         }
-        _leave_a_stream(direct, body, auth)
-        result["after_disconnect"] = _settled(lambda: worker_stats("direct", TINY_MODEL_ID))
+        _leave_a_stream(edge, body, auth)  # the client leaves: HAProxy must pass that on
+        result["after_disconnect"] = _settled(lambda: worker_stats("edge", TINY_MODEL_ID))
         print("RESULT " + json.dumps(result), flush=True)
     finally:
         serve.shutdown()
