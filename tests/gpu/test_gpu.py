@@ -9,8 +9,7 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-from tests.support.engine_runs import greedy_outputs  # noqa: E402
-from tests.support.engines import record_preemptions  # noqa: E402
+from tests.support.engines import greedy_outputs, record_preemptions  # noqa: E402
 from tests.support.tiny_models import build_tiny_llama  # noqa: E402
 from workers.contract.sampling_params import SamplingParams  # noqa: E402
 from workers.engine.limits import EngineLimits  # noqa: E402

@@ -56,6 +56,17 @@ def run_to_completion(engine: LLMEngine, max_steps: int = 2000) -> dict[int, lis
     raise AssertionError("engine did not finish")
 
 
+def greedy_outputs(engine: LLMEngine, prompts: list[list[int]], max_tokens: list[int],
+                   loras: list[str | None] | None = None) -> list[list[int]]:
+    """Add every prompt at once (greedy, EOS ignored; `loras`: each one's adapter key), run
+    to the end; the token ids of each prompt's answer."""
+    loras = loras or [None] * len(prompts)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True), lora=k)
+           for p, m, k in zip(prompts, max_tokens, loras)]
+    events = run_to_completion(engine)
+    return [[ev.token_id for ev in events.get(i, []) if ev.token_id >= 0] for i in ids]
+
+
 def record_preemptions(engine: LLMEngine) -> list:
     """Wrap the scheduler so the test can see which sequences each step preempted."""
     preempted: list = []

@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import torch
 
-from tests.support.engine_runs import greedy_outputs
-from tests.support.engines import make_engine, record_preemptions, reference_greedy
+from tests.support.engines import (
+    greedy_outputs,
+    make_engine,
+    record_preemptions,
+    reference_greedy,
+)
 from workers.contract.sampling_params import SamplingParams
 
 

@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from tests.support.engine_runs import greedy_outputs
+from tests.support.engines import greedy_outputs
 from tests.support.paths import REPO_ROOT
 from workers.contract.model_config import EngineConfig, ModelConfig
 from workers.contract.sampling_params import SamplingParams
