@@ -35,5 +35,5 @@ def worker_deployment(model: ModelConfig, config: AppConfig):
     an open call, and Serve counts it)."""
     options = model.deployment.serve_options()
     options["max_ongoing_requests"] += config.ingress.max_replicas
-    return ModelWorker.options(name=worker_deployment_name(model.id), **options,
-                               request_router_config=RequestRouterConfig(request_router_class=ROUTER_CLASS))
+    router = RequestRouterConfig(request_router_class=ROUTER_CLASS, request_router_kwargs=model.routing.model_dump())
+    return ModelWorker.options(name=worker_deployment_name(model.id), **options, request_router_config=router)

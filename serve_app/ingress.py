@@ -50,6 +50,7 @@ from serve_app.http.metrics import (
     route_request_log_to_serve,
 )
 from serve_app.http.request_body import parse_request, read_json_body
+from serve_app.http.session import current_session, remember_session
 from serve_app.lora_adapters import (
     AdapterCatalog,
     LoadLoraAdapterRequest,
@@ -213,6 +214,7 @@ class ChatIngress(HandleAPI):
         data = await read_json_body(request, self.config.server.max_request_bytes)
         req = parse_request(model_cls, data)
         record.set_request(req)
+        remember_session(request.headers, req)
         return req
 
     async def _target(self, model: str) -> Target:
@@ -235,6 +237,8 @@ class ChatIngress(HandleAPI):
         """The worker call, answered as SSE or JSON; finishes the request's metrics record."""
         record = current_record() or self.metrics.begin("")
         record.request_id = gen_request.request_id
+        if (session_key := current_session()) is not None:
+            gen_request = dataclasses.replace(gen_request, session_key=session_key)
         try:
             call = await call_worker(transport, gen_request, param_names, record)
             if stream_response:

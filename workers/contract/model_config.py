@@ -103,6 +103,21 @@ class ResumeConfig(_Strict):
                              "ends it with 503 worker_failed")
     replica_wait_s: float = Field(60, gt=0, description="how long a broken request keeps trying to reach a "
                                   "replica (a new one may be starting) before it ends with 503 worker_failed")
+class RoutingConfig(_Strict):
+    """How the ingress picks a worker replica for a request (serve_app/transport/prefix_routing.py)."""
+
+    prefix_aware: bool = Field(True, description="send a request to the replica that was sent the longest prefix "
+                               "of its prompt (its KV blocks are likely cached there), or that its session "
+                               "(`x-session-id` header, else the body's `user`) belongs to; false: Serve's "
+                               "power of two choices by load alone")
+    block_chars: int = Field(128, ge=16, le=4096, description="prompt text is matched in blocks of this many "
+                             "characters (about a quarter as many tokens)")
+    load_margin: int = Field(4, ge=0, description="the preferred replica is skipped when it runs more than this "
+                             "many requests above the least loaded one")
+    max_blocks: int = Field(100_000, ge=1, description="prompt blocks each ingress replica remembers (least "
+                            "recently used forgotten first; about 100 bytes each)")
+
+
 class LoraConfig(_Strict):
     """LoRA adapters on one base model (workers/lora/): PEFT directories, served by name."""
 
@@ -149,6 +164,7 @@ class ModelConfig(_Strict):
         True, description="run each layer's q/k/v projections, and its gate/up projections, as one matrix "
         "multiply each (fewer, wider weight passes)")
     resume: ResumeConfig = Field(ResumeConfig(), description="resuming requests on another replica")
+    routing: RoutingConfig = Field(RoutingConfig(), description="choosing a worker replica per request")
     engine: EngineConfig = Field(EngineConfig(), description="the continuous-batching engine's limits and options")
     deployment: DeploymentConfig = Field(
         DeploymentConfig(), description="Ray Serve options of the model's worker deployment")

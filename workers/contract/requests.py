@@ -60,4 +60,7 @@ class GenerateRequest:
     ingress_id: str | None = None
     resume: Continuation | None = None  # go on from output already delivered (workers/contract/continuation.py)
     lora: LoraRequest | None = None  # the adapter `model` named (None: the base model)
+    # Keeps a conversation on one worker replica (the router's prefix-aware choice,
+    # serve_app/transport/prefix_routing.py): the `x-session-id` header, else the body's `user`.
+    session_key: str | None = None
 

@@ -113,7 +113,8 @@ class ModelWorker:
             cuda_graph_max_batch=engine.cuda_graph_max_batch,
         )
 
-    def stats(self) -> WorkerStats:
+    def stats(self, replica: str | None = None) -> WorkerStats:
+        """`replica` pins the call to one replica (the router reads it), for per-replica reads."""
         engine = self.engine.stats()
         return WorkerStats(
             active_requests=engine.active_requests,
