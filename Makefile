@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-gpu fuzz bench bench-cpu bench-transport bench-prefix bench-fairness bench-lora bench-ttft-overhead bench-gpu soak faults clean
+.PHONY: install serve test test-gpu fuzz bench bench-cpu bench-transport bench-prefix bench-prefix-routing bench-fairness bench-lora bench-ttft-overhead bench-gpu soak faults clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -65,6 +65,11 @@ bench-transport: $(STAMP)
 
 bench-prefix: $(STAMP)
 	$(BIN)/python -m tools.bench.engine prefix --prefix-tokens 1000
+
+# 2 worker replicas, 32 conversations of 4 turns sharing a ~500-token system prompt:
+# prefix-aware routing against power of two choices (cached share, tok/s, spread).
+bench-prefix-routing: $(STAMP)
+	$(BIN)/python -m tools.bench.prefix_routing --model default --conversations 32 --turns 4
 
 bench-fairness: $(STAMP)
 	$(BIN)/python -m tools.bench.engine fairness --streams 16 --long-prompt 2000 --budget 256 2048
