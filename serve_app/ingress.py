@@ -13,6 +13,9 @@ a streamer (`events(first, rest)` -> SSE text) and an accumulator (`add(chunk)`,
 `result().dump_json()`). A request's `model` may name a LoRA adapter of a served model
 (serve_app/lora_adapters.py); `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`
 change which adapters are served.
+
+`/tokenize` and `/detokenize` (dialects/tokenization.py, vLLM's) generate nothing: the
+model's worker answers them with its tokenizer (workers/serving/tokenization.py).
 """
 
 
@@ -34,7 +37,7 @@ from starlette.responses import (
 )
 
 from serve_app.app_config import AppConfig
-from serve_app.dialects import completions, lm_v2
+from serve_app.dialects import completions, lm_v2, tokenization
 from serve_app.dialects.chat.output import ChunkStreamer, CompletionAccumulator
 from serve_app.dialects.chat.request import ChatCompletionRequest
 from serve_app.dialects.chat.translate import new_request_id, to_generate_request
@@ -68,6 +71,7 @@ from serve_app.worker_call import (
     over_grpc,
     relay,
 )
+from workers.contract.chunks import ErrorInfo
 from workers.contract.requests import GenerateRequest
 from workers.contract.sampling_params import SamplingParams
 from workers.contract.worker_info import ModelInfo
@@ -131,19 +135,25 @@ class ChatIngress(HandleAPI):
     @api.get("/v1/models")
     async def list_models(self, request: Request) -> Response:
         self.auth.check(request.headers.get("authorization"))
-        cards = []
-        for model_id in self.workers:
-            info = await self._info(model_id)
-            cards.append(
-                ModelCard(id=model_id, object="model", created=self.created, owned_by="chatserve",
-                          max_model_len=info.max_model_len)
-            )
+        cards = [await self._model_card(Target(model_id)) for model_id in self.workers]
         for adapter in await self.adapters.registered():
-            info = await self._info(adapter.base_model)
-            cards.append(ModelCard(id=adapter.request.name, object="model", created=self.created,
-                                   owned_by="chatserve", max_model_len=info.max_model_len,
-                                   root=adapter.request.path, parent=adapter.base_model))
+            cards.append(await self._model_card(Target(adapter.base_model, adapter.request)))
         return Response(ModelList(object="list", data=cards).dump_json(), media_type="application/json")
+
+    # `:path`: model ids and adapter names may hold "/" (org/name).
+    @api.get("/v1/models/{model:path}")
+    async def retrieve_model(self, model: str, request: Request) -> Response:
+        """One entry of /v1/models: a served model or a LoRA adapter of one; 404 otherwise."""
+        self.auth.check(request.headers.get("authorization"))
+        card = await self._model_card(await self.adapters.resolve(model))
+        return Response(card.dump_json(), media_type="application/json")
+
+    async def _model_card(self, target: Target) -> ModelCard:
+        info = await self._info(target.base_model)
+        card = dict(object="model", created=self.created, owned_by="chatserve", max_model_len=info.max_model_len)
+        if target.lora is None:
+            return ModelCard(id=target.base_model, **card)
+        return ModelCard(id=target.lora.name, root=target.lora.path, parent=target.base_model, **card)
 
     @api.post("/v1/load_lora_adapter")
     async def load_lora_adapter(self, request: Request) -> Response:
@@ -163,6 +173,28 @@ class ChatIngress(HandleAPI):
         req = await self._parse_admin(request, UnloadLoraAdapterRequest)
         await self.adapters.unregister(req)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
+    @api.post("/tokenize")
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's route (serve_app/dialects/tokenization.py), answered by the model's worker."""
+        req = await self._parse_admin(request, tokenization.TokenizeBody)
+        target = await self._target(req.model)
+        worker_req = tokenization.to_tokenize_request(req, self.config.model(target.base_model))
+        result = await self.workers[target.base_model].tokenize.remote(worker_req)
+        if isinstance(result, ErrorInfo):
+            raise APIError.from_info(result)
+        return Response(tokenization.tokenize_response(result).dump_json(), media_type="application/json")
+
+    @api.post("/detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's route: token ids -> text, by the model's worker."""
+        req = await self._parse_admin(request, tokenization.DetokenizeBody)
+        target = await self._target(req.model)
+        result = await self.workers[target.base_model].detokenize.remote(tokenization.to_detokenize_request(req))
+        if isinstance(result, ErrorInfo):
+            raise APIError.from_info(result)
+        body = tokenization.DetokenizeResponse(prompt=result.prompt).dump_json()
+        return Response(body, media_type="application/json")
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -226,8 +258,8 @@ class ChatIngress(HandleAPI):
         return target
 
     async def _parse_admin(self, request: Request, model_cls: type) -> Any:
-        """API key, then the body: the adapter routes' request model or an APIError (no
-        metrics record: they generate nothing)."""
+        """API key, then the body: the adapter and tokenizer routes' request model or an
+        APIError (no metrics record: they generate nothing)."""
         self.auth.check(request.headers.get("authorization"))
         data = await read_json_body(request, self.config.server.max_request_bytes)
         return parse_request(model_cls, data)

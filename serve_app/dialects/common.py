@@ -163,6 +163,9 @@ class SamplingFields(RequestModel):
     length_penalty: float | None = Field(None, ge=-10.0, le=10.0, allow_inf_nan=False)
 
     response_format: ResponseFormat = None
+    # vLLM's: lower runs first when the model's engine.scheduling_policy is `priority`; with
+    # `fcfs` (the default) a non-zero value is refused by the worker (400 naming `priority`).
+    priority: int = Field(0, ge=-(2**63), le=2**63 - 1)
 
     @model_validator(mode="after")
     def _rules_between_fields(self) -> Self:
@@ -247,6 +250,7 @@ def openai_sampling_kwargs(req: SamplingFields) -> dict:
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens,
         guided=guided_decoding(req.response_format),
+        priority=req.priority,
     )
 
 

@@ -167,6 +167,10 @@ BODIES = {
 }
 ROUTES = [("GET", "/v1/models", None)] + [("POST", path, body) for path, body in BODIES.items()]
 ALL_KEYS = (ENV_KEY, OTHER_ENV_KEY, FILE_KEY)
+# Routes that generate nothing are behind the keys too.
+ROUTES += [("GET", f"/v1/models/{TINY_MODEL_ID}", None),
+           ("POST", "/tokenize", {"model": TINY_MODEL_ID, "prompt": "hi"}),
+           ("POST", "/detokenize", {"model": TINY_MODEL_ID, "tokens": [1, 2]})]
 
 
 def call(url: str, method: str, path: str, body, key: str | None = None, header: str | None = None):

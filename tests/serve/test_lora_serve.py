@@ -85,6 +85,8 @@ def test_lora_routes_through_serve(lora_app, tiny_model, tiny_tokenizer):
     assert set(cards) == {TINY_MODEL_ID, "fixed", "b", "c"}
     assert cards["b"]["parent"] == TINY_MODEL_ID and cards["b"]["root"] == str(dirs["b"].resolve())
     assert "parent" not in cards[TINY_MODEL_ID]
+    for name in (TINY_MODEL_ID, "fixed", "b"):  # GET /v1/models/{model}: the same card
+        assert httpx.get(f"{url}/v1/models/{name}", headers=AUTH).json() == cards[name]
 
     # Three adapters on a replica with two slots: Serve's multiplexing drops the least
     # recently used one and loads it again when it is asked for.
@@ -95,6 +97,10 @@ def test_lora_routes_through_serve(lora_app, tiny_model, tiny_tokenizer):
     gone = _chat(url, "b")
     assert gone.status_code == 404 and gone.json()["error"]["param"] == "model"
     assert _post(url, "/v1/unload_lora_adapter", {"lora_name": "b"}).status_code == 404
+    # A name with "/" is taken whole by GET /v1/models/{model}.
+    assert _post(url, "/v1/load_lora_adapter", {"lora_name": "team/b", "lora_path": "b"}).status_code == 200
+    card = httpx.get(f"{url}/v1/models/team/b", headers=AUTH).json()
+    assert (card["id"], card["parent"], card["root"]) == ("team/b", TINY_MODEL_ID, str(dirs["b"].resolve()))
 
 
 @pytest.mark.parametrize("body, status, param, message", [

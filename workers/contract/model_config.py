@@ -32,6 +32,10 @@ class EngineConfig(_Strict):
         "prefilled in chunks")
     max_prefill_tokens_while_decoding: int | None = Field(
         None, ge=1, description="prompt tokens a step may take beside running decodes (fairness); default: the budget")
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs", description="which waiting request the scheduler admits first: `fcfs` in arrival order (a request "
+        "with a non-zero `priority` is a 400); `priority` by the request's `priority` (lower first), ties in "
+        "arrival order, and the running request with the largest (priority, arrival) is preempted first")
     max_model_len: int | None = Field(None, ge=16, description="default: the model's own window")
     torch_threads: int | None = Field(None, ge=1, description="CPU only; default: all cores")
     first_token_timeout_s: float | None = Field(None, gt=0, description="end a request with no token by then")

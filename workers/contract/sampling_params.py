@@ -55,6 +55,9 @@ class SamplingParams:
     best_of: int | None = None  # beam width; default n
     length_penalty: float = 1.0
     guided: GuidedDecoding | None = None  # constrained decoding (structured output, forced tool calls)
+    # Scheduling, not sampling: with the engine's `priority` policy, lower values are admitted
+    # first and preempted last (vLLM's meaning); it rides here to reach every choice's Sequence.
+    priority: int = 0
 
     @property
     def beam_width(self) -> int:

@@ -25,6 +25,7 @@ class EngineLimits:
     max_model_len: int = 8192
     enable_prefix_caching: bool = True
     max_prefill_tokens_while_decoding: int | None = None  # see SchedulerConfig
+    priority_scheduling: bool = False  # admit and preempt by the requests' priority (see SchedulerConfig)
     cuda_graph_max_batch: int = 0  # CUDA: decode steps up to this batch replay graphs (0: off)
     async_scheduling: bool = False  # launch the next decode step before reading this one's tokens
     lora: LoraLimits | None = None  # LoRA adapters served (None: no LoRA layers in the model)
@@ -46,6 +47,7 @@ def engine_limits(config: ModelConfig, model_window: int) -> EngineLimits:
         max_model_len=min(eng.max_model_len or model_window, model_window),
         enable_prefix_caching=eng.enable_prefix_caching,
         max_prefill_tokens_while_decoding=eng.max_prefill_tokens_while_decoding,
+        priority_scheduling=eng.scheduling_policy == "priority",
         cuda_graph_max_batch=eng.cuda_graph_max_batch_size,
         async_scheduling=eng.async_scheduling and config.device == "cuda",  # no overlap to win on a CPU
         lora=LoraLimits(config.lora.max_loras, config.lora.max_lora_rank) if config.lora is not None else None,
@@ -59,3 +61,10 @@ class CapacityError(ValueError):
         super().__init__(message)
         self.prompt_alone = prompt_alone  # the prompt leaves no room for even one token
 
+
+class PriorityError(ValueError):
+    """A request with a priority on an engine that schedules first come, first served."""
+
+    def __init__(self, priority: int) -> None:
+        super().__init__(f"priority {priority} needs the model's engine.scheduling_policy to be `priority` "
+                         "(it is `fcfs`); send priority 0 or leave it out")

@@ -20,7 +20,7 @@ from workers.engine.block_manager import BlockManager
 from workers.engine.choices import choice_logits, fork_choices
 from workers.engine.engine_info import EngineDescription, EngineStats
 from workers.engine.events import LiveRequests, TokenEvent, token_events
-from workers.engine.limits import CapacityError, EngineLimits
+from workers.engine.limits import CapacityError, EngineLimits, PriorityError
 from workers.engine.model_setup import (
     decode_path,
     guided_decoder,
@@ -69,7 +69,8 @@ class LLMEngine:
         self.lora = LoraManager(model, limits.lora) if limits.lora is not None else None
         self.scheduler = Scheduler(
             SchedulerConfig(limits.max_num_seqs, limits.max_num_batched_tokens,
-                            limits.max_prefill_tokens_while_decoding), self.blocks, self.lora
+                            limits.max_prefill_tokens_while_decoding, limits.priority_scheduling),
+            self.blocks, self.lora,
         )
         self.runner = model_runner(model, self.kv_cache, device, path, limits, self.vocab_size, self.lora)
         self.sampler = Sampler()
@@ -82,8 +83,11 @@ class LLMEngine:
                                     limits.async_scheduling)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise CapacityError if the request can never run here. Reads only fixed limits,
-        so any thread may call it."""
+        """Raise CapacityError if the request can never run here, PriorityError if it has a
+        priority this engine does not schedule by. Reads only fixed limits, so any thread
+        may call it."""
+        if params.priority and not self.limits.priority_scheduling:
+            raise PriorityError(params.priority)
         needed = len(prompt_token_ids) + params.max_tokens
         if needed > self.limits.max_model_len:
             raise CapacityError(

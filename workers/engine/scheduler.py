@@ -11,11 +11,18 @@ Policy (one step):
    the remaining budget is prefilled in chunks over several steps, so decodes keep
    flowing meanwhile. A sequence whose LoRA adapter finds no slot (every slot held by
    running sequences of other adapters) stays waiting; those behind it may go.
+
+Under the `priority` policy (vLLM's meaning) "arrival order" becomes (priority, arrival)
+order, lower first, in both queues: the waiting queue admits the most urgent first, and
+since running sequences are visited in that order too, the sequence a preemption takes
+(the last) is the one with the largest (priority, arrival). Arrival is the engine's
+request id, which it hands out in arrival order.
 """
 
 from __future__ import annotations
 
 import time
+from bisect import insort
 from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
@@ -33,6 +40,13 @@ class SchedulerConfig:
     # On a CPU a prompt token costs several times a decode row, so a big chunk beside the
     # decodes stretches their inter-token gap; alone, a prompt still gets the whole budget.
     max_prefill_tokens_while_decoding: int | None = None
+    priority: bool = False  # order both queues by (params.priority, arrival) instead of arrival alone
+
+
+def priority_key(seq: Sequence) -> tuple[int, int]:
+    """A sequence's place under the priority policy: its request's priority, then arrival
+    (the n choices of a request share both, and keep their order among themselves)."""
+    return seq.params.priority, seq.request_id
 
 
 def _adapter_slot(chunk: ScheduledChunk) -> int:
@@ -62,7 +76,10 @@ class Scheduler:
         self._prefill_left = config.max_num_batched_tokens  # prompt tokens the step being built may still take
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if self.config.priority:
+            insort(self.waiting, seq, key=priority_key)
+        else:
+            self.waiting.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -184,7 +201,10 @@ class Scheduler:
             self.blocks.use_prefix(seq, prefix)
             batch.block_copies.extend(self.blocks.allocate(seq, n))
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            if self.config.priority:
+                insort(self.running, seq, key=priority_key)  # so a preemption finds the least urgent last
+            else:
+                self.running.append(seq)
             self._take(batch, seq, n)
             budget -= n
 
@@ -193,7 +213,10 @@ class Scheduler:
         if self.lora is not None:
             self.lora.release(seq)
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        if self.config.priority:
+            insort(self.waiting, seq, key=priority_key)
+        else:
+            self.waiting.appendleft(seq)  # it arrived before anyone still waiting
         batch.preempted.append(seq)
 
     def complete_step(self, batch: ScheduledBatch, sampled: list[int]) -> list[tuple[Sequence, int, FinishReason | None]]:

@@ -13,6 +13,7 @@ from workers.contract.chunks import ErrorInfo, GenerationChunk
 from workers.contract.model_config import ModelConfig
 from workers.contract.requests import GenerateRequest
 from workers.contract.serve_logs import route_to_serve_log
+from workers.contract.tokenize import DetokenizeRequest, DetokenizeResult, TokenizeRequest, TokenizeResult
 from workers.contract.transport import ChannelBatch, ChannelReceipt
 from workers.contract.worker_info import ModelInfo, WorkerStats
 from workers.engine.llm_engine import LLMEngine
@@ -24,6 +25,7 @@ from workers.serving.channels import ChannelRegistry, until_closed
 from workers.serving.engine_build import build_engine, vision_prompts
 from workers.serving.lora_adapters import WorkerAdapters
 from workers.serving.request_processor import RequestProcessor, Timeouts
+from workers.serving.tokenization import Tokenization
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +59,8 @@ class ModelWorker:
         timeouts = Timeouts(engine_config.first_token_timeout_s, engine_config.request_timeout_s)
         self.processor = RequestProcessor(self.engine, loaded.tokenizer, timeouts, vision_prompts(loaded, self.config),
                                           stream_interval=engine_config.stream_interval)
+        self.tokenization = Tokenization(loaded.tokenizer, self.processor.prompts, self.processor.max_model_len,
+                                         self.processor.vision)
         self.channels = ChannelRegistry()
         self._requests_by_channel = self._requests_by_call = 0
         self.adapters = WorkerAdapters(self.engine, self.config.lora, multiplexed=True)
@@ -96,6 +100,14 @@ class ModelWorker:
         """For POST /v1/load_lora_adapter: None when `path` holds an adapter this model can
         serve (inside lora.adapter_dir), else the 400 to answer."""
         return await self.adapters.check(name, path)
+
+    async def tokenize(self, request: TokenizeRequest) -> TokenizeResult | ErrorInfo:
+        """POST /tokenize: in a thread, so a long prompt never stalls the streams on this loop."""
+        return await asyncio.to_thread(self.tokenization.tokenize, request)
+
+    async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResult | ErrorInfo:
+        """POST /detokenize (in a thread, as tokenize)."""
+        return await asyncio.to_thread(self.tokenization.detokenize, request)
 
     def info(self) -> ModelInfo:
         engine = self.engine.describe()

@@ -23,7 +23,7 @@ from workers.contract.grammar import GuidedDecodingError
 from workers.contract.lora import LoraAdapterError
 from workers.contract.requests import GenerateRequest
 from workers.contract.sampling_params import SamplingParams
-from workers.engine.limits import CapacityError
+from workers.engine.limits import CapacityError, PriorityError
 from workers.engine.resume import ContinuationError, ResumedChoice
 from workers.sampling.guided import GuideState
 from workers.serving.active_request import ActiveRequest, Timeouts
@@ -119,7 +119,7 @@ class RequestProcessor:
             stream = None if resume == [] else self.engine.add_request(prompt_ids, params, guide, images=prompt.images,
                                                                       resume=resume, lora=lora)
         except (PromptError, GuidedDecodingError, CapacityError, EngineDeadError, ContinuationError,
-                LoraAdapterError) as exc:
+                LoraAdapterError, PriorityError) as exc:
             outbox.put(request.request_id, _refusal(request, exc))
             return None
         for chunk in done:  # choices the given ids already end
@@ -195,6 +195,8 @@ def _refusal(request: GenerateRequest, exc: Exception) -> GenerationChunk:
         param = request.params.guided.param if request.params.guided else None
         return GenerationChunk(error=ErrorInfo(400, f"the output constraint cannot be used: {exc}", param=param,
                                                code="invalid_grammar"))
+    if isinstance(exc, PriorityError):
+        return GenerationChunk(error=ErrorInfo(400, str(exc), param="priority"))
     if isinstance(exc, LoraAdapterError):
         return GenerationChunk(error=ErrorInfo(400, str(exc), param="model", code="invalid_lora_adapter"))
     if isinstance(exc, CapacityError):

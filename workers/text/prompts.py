@@ -16,6 +16,7 @@ from typing import Any
 
 from workers.contract.json_text import loads_json_text
 from workers.contract.requests import GenerateRequest, ToolPrompt
+from workers.contract.tokenize import TokenizeRequest
 from workers.model.multimodal import ImageInputs
 
 
@@ -53,7 +54,10 @@ class PromptBuilder:
             raise PromptError("the prompt is empty after tokenization", "prompt" if request.prompt is not None else "messages")
         return Prompt(list(ids), text)
 
-    def chat_text(self, request: GenerateRequest) -> str:
+    def chat_text(self, request: GenerateRequest | TokenizeRequest, add_generation_prompt: bool = True,
+                  continue_final_message: bool = False) -> str:
+        """The rendered chat prompt of a chat request (or of POST /tokenize's `messages`,
+        which may ask for the template's other two endings)."""
         if not self._has_template:
             raise PromptError("this model has no chat template; use /v1/completions", "messages")
         messages = [self._render_message(m, i) for i, m in enumerate(request.messages or [])]
@@ -64,8 +68,11 @@ class PromptBuilder:
                 kwargs["tools"] = request.tools
         elif request.tool_prompt is not None:
             messages = tools_as_text(messages, request.tools or [], request.tool_prompt)
+        if continue_final_message:  # only when asked: a chat request may pass it in chat_template_kwargs
+            kwargs["continue_final_message"] = True
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt, **kwargs)
         except Exception as exc:  # jinja raises for conversations the template rejects
             raise PromptError(f"the model's chat template rejected the messages: {exc}", "messages") from exc
 
