@@ -3,7 +3,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from workers.engine.sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -26,3 +31,10 @@ class EngineStats:
     kv_blocks_total: int
     prefix_cache_query_tokens: int  # counters: prompt tokens looked up in the prefix cache
     prefix_cache_hit_tokens: int  # ... and found there
+    queued_prompt_tokens: int = 0  # prompt tokens not yet prefilled (recomputation after preemption included)
+
+
+def queued_prompt_tokens(seqs: Iterable[Sequence]) -> int:
+    """Prompt tokens still to prefill: every uncomputed token of a sequence that has not
+    sampled yet; of one that has (preempted, resumed), all but the one its decode feeds."""
+    return sum(max(0, s.num_uncomputed_tokens - (1 if s.num_output_tokens else 0)) for s in seqs)

@@ -18,7 +18,7 @@ from workers.engine.batch import ScheduledBatch
 from workers.engine.beam_coordinator import BeamCoordinator
 from workers.engine.block_manager import BlockManager
 from workers.engine.choices import choice_logits, fork_choices
-from workers.engine.engine_info import EngineDescription, EngineStats
+from workers.engine.engine_info import EngineDescription, EngineStats, queued_prompt_tokens
 from workers.engine.events import LiveRequests, TokenEvent, token_events
 from workers.engine.limits import CapacityError, EngineLimits, PriorityError
 from workers.engine.model_setup import (
@@ -210,6 +210,8 @@ class LLMEngine:
             kv_blocks_total=self.blocks.num_blocks,
             prefix_cache_query_tokens=self.blocks.query_tokens,
             prefix_cache_hit_tokens=self.blocks.hit_tokens,
+            # Each queue copied in one step: the engine thread may change them while another thread reads.
+            queued_prompt_tokens=queued_prompt_tokens([*self.scheduler.waiting, *self.scheduler.running]),
         )
 
     def describe(self) -> EngineDescription:

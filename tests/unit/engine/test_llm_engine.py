@@ -249,6 +249,24 @@ def test_stats_and_describe_say_what_the_engine_holds(paged_model, prompts):
     assert (done.active_requests, done.waiting, done.running, done.kv_blocks_used) == (0, 0, 0, 0)
 
 
+def test_stats_count_the_prompt_tokens_not_yet_prefilled(paged_model, prompts):
+    engine = make_engine(paged_model, num_blocks=64, block_size=4, max_num_seqs=1, max_num_batched_tokens=8,
+                         enable_prefix_caching=False)
+    long, short = prompts[4], prompts[0]
+    assert len(long) > 16
+    engine.add_request(long, greedy(2))
+    engine.add_request(short, greedy(2))
+    assert engine.stats().queued_prompt_tokens == len(long) + len(short)
+    engine.step()  # the first 8-token chunk of the long prompt; the short one waits (max_num_seqs=1)
+    assert engine.stats().queued_prompt_tokens == len(long) - 8 + len(short)
+    for _ in range(-(-len(long) // 8) - 1):  # the rest of its chunks: it has sampled its first token
+        engine.step()
+    decoding = engine.stats()
+    assert (decoding.running, decoding.waiting, decoding.queued_prompt_tokens) == (1, 1, len(short))
+    run_to_completion(engine)
+    assert engine.stats().queued_prompt_tokens == 0
+
+
 # --- prefix cache -------------------------------------------------------------------------
 
 
