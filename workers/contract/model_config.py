@@ -64,6 +64,56 @@ class AutoscalingConfig(_Strict):
     metrics_interval_s: float = Field(10, gt=0, description="how often replicas report their load")
     look_back_period_s: float = Field(30, gt=0, description="window the reported load is averaged over")
 
+    def serve_config(self) -> dict[str, Any]:
+        """Serve's `autoscaling_config` option."""
+        return self.model_dump()
+
+
+# The engine-load policy, by import path: Serve's controller runs it, and this module stays torch-free.
+ENGINE_LOAD_POLICY = "workers.serving.engine_load_policy:EngineLoadPolicy"
+
+
+class EngineLoadTargets(_Strict):
+    """Autoscaling on what the engine reports instead of on ongoing requests
+    (workers/serving/engine_load_policy.py), so that a replica holding a few long prompts
+    counts as loaded as one holding many short chats. Each replica reports its load every
+    metrics_interval_s; each target is a mean per replica over look_back_period_s. A replica
+    is added when any signal is over its target, removed when every signal is under it by
+    downscale_margin; min_replicas, max_replicas and the delays apply as with ongoing
+    requests. null turns a signal off; one at least must stay on."""
+
+    waiting_per_replica: float | None = Field(
+        2, gt=0, description="sequences waiting for the scheduler (max_num_seqs or the KV pool is full)")
+    kv_cache_usage: float | None = Field(
+        0.85, gt=0, le=1, description="share of the KV pool's blocks held by running sequences")
+    queued_prompt_tokens_per_replica: float | None = Field(
+        None, gt=0, description="prompt tokens not yet prefilled, e.g. a few times engine.max_num_batched_tokens")
+    downscale_margin: float = Field(
+        0.2, ge=0, lt=1, description="replicas are removed only while every signal, spread over the replicas "
+        "left, stays below (1 - margin) x its target: no flapping around a target")
+
+    @model_validator(mode="after")
+    def _some_target(self) -> "EngineLoadTargets":
+        if (self.waiting_per_replica, self.kv_cache_usage, self.queued_prompt_tokens_per_replica) == (None,) * 3:
+            raise ValueError(
+                "set at least one of waiting_per_replica, kv_cache_usage, queued_prompt_tokens_per_replica")
+        return self
+
+
+class WorkerAutoscalingConfig(AutoscalingConfig):
+    """A model worker's autoscaling: on ongoing requests (Serve's default), or on the engine's load."""
+
+    engine_load: EngineLoadTargets | None = Field(
+        None, description="scale on the engine's load (waiting sequences, KV-cache usage, queued prompt tokens) "
+        "with these targets; target_ongoing_requests is then unused. Unset: scale on ongoing requests")
+
+    def serve_config(self) -> dict[str, Any]:
+        config = self.model_dump(exclude={"engine_load"})
+        if self.engine_load is not None:
+            targets = self.engine_load.model_dump()
+            config["policy"] = {"policy_function": ENGINE_LOAD_POLICY, "policy_kwargs": targets}
+        return config
+
 
 class DeploymentConfig(_Strict):
     """Ray Serve deployment options for one deployment."""
@@ -91,10 +141,17 @@ class DeploymentConfig(_Strict):
             "ray_actor_options": dict(self.ray_actor_options),
         }
         if self.autoscaling_config is not None:
-            options["autoscaling_config"] = self.autoscaling_config.model_dump()
+            options["autoscaling_config"] = self.autoscaling_config.serve_config()
         else:
             options["num_replicas"] = self.num_replicas
         return options
+
+
+class WorkerDeploymentConfig(DeploymentConfig):
+    """Ray Serve options of a model's worker deployment: its autoscaling may follow the engine's load."""
+
+    autoscaling_config: WorkerAutoscalingConfig | None = Field(
+        None, description="Serve autoscaling between min_replicas and max_replicas; unset: num_replicas")
 
 
 class ResumeConfig(_Strict):
@@ -170,8 +227,8 @@ class ModelConfig(_Strict):
     resume: ResumeConfig = Field(ResumeConfig(), description="resuming requests on another replica")
     routing: RoutingConfig = Field(RoutingConfig(), description="choosing a worker replica per request")
     engine: EngineConfig = Field(EngineConfig(), description="the continuous-batching engine's limits and options")
-    deployment: DeploymentConfig = Field(
-        DeploymentConfig(), description="Ray Serve options of the model's worker deployment")
+    deployment: WorkerDeploymentConfig = Field(
+        WorkerDeploymentConfig(), description="Ray Serve options of the model's worker deployment")
     cache_dir: str | None = Field(
         None, description="where GGUF models converted to safetensors are kept; default: $CHATSERVE_CACHE, else "
         "~/.cache/chatserve")

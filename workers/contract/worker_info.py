@@ -35,4 +35,5 @@ class WorkerStats:
     open_channels: int = 0  # ingress replicas with a channel open here (serve_app/transport/)
     requests_by_channel: int = 0  # counters: requests whose chunks went by their ingress's channel
     requests_by_call: int = 0  # ... and by their own call (no channel open yet)
+    queued_prompt_tokens: int = 0  # prompt tokens the engine has not prefilled yet
 

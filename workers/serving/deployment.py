@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from ray import serve
 
 from workers.contract.chunks import ErrorInfo, GenerationChunk
+from workers.contract.engine_load import EngineLoad
 from workers.contract.model_config import ModelConfig
 from workers.contract.requests import GenerateRequest
 from workers.contract.serve_logs import route_to_serve_log
@@ -142,7 +143,15 @@ class ModelWorker:
             open_channels=len(self.channels),
             requests_by_channel=self._requests_by_channel,
             requests_by_call=self._requests_by_call,
+            queued_prompt_tokens=engine.queued_prompt_tokens,
         )
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics, read every metrics interval when autoscaling is
+        on; the engine-load policy (workers/serving/engine_load_policy.py) scales on them."""
+        engine = self.engine.stats()
+        kv_usage = engine.kv_blocks_used / engine.kv_blocks_total if engine.kv_blocks_total else 0.0
+        return EngineLoad(engine.waiting, kv_usage, engine.queued_prompt_tokens).as_metrics()
 
     def check_health(self) -> None:
         """Serve calls this periodically; raising marks the replica unhealthy and replaces it."""

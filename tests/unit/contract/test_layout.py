@@ -12,7 +12,9 @@ PACKAGES = ("serve_app", "workers")
 
 
 def test_importing_the_ingress_pulls_in_no_torch():
-    code = ("import sys, serve_app.ingress, serve_app.handle_api, workers.contract.grammar;"
+    # ... nor the autoscaling policy, which Serve's controller imports.
+    code = ("import sys, serve_app.ingress, serve_app.handle_api, workers.contract.grammar,"
+            " workers.serving.engine_load_policy;"
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

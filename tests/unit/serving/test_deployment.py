@@ -8,6 +8,7 @@ import os
 import pytest
 
 from tests.support.engines import chat_request, wait_idle
+from workers.contract.engine_load import KV_CACHE_USAGE, QUEUED_PROMPT_TOKENS, WAITING
 from workers.serving.deployment import ModelWorker
 
 
@@ -48,11 +49,16 @@ def test_worker_stats_and_info_report_its_engine(tiny_model_dir):
         gen = worker.generate(chat_request("Hello there", 300, ignore_eos=True))  # still running when asked
         await gen.__anext__()  # the request runs
         busy = worker.stats()
+        busy_load = await worker.record_autoscaling_stats()
         await gen.aclose()
         await wait_idle(worker.engine)
-        return worker.info(), busy, worker.stats()
+        return worker.info(), busy, worker.stats(), busy_load, await worker.record_autoscaling_stats()
 
-    info, busy, idle = _with_worker(tiny_model_dir, {"max_model_len": 400}, body)
+    info, busy, idle, busy_load, idle_load = _with_worker(tiny_model_dir, {"max_model_len": 400}, body)
+    # What Serve's autoscaler gets (custom metrics, for the engine-load policy).
+    assert busy_load[WAITING] == 0 and busy_load[QUEUED_PROMPT_TOKENS] == 0  # it decodes
+    assert 0 < busy_load[KV_CACHE_USAGE] <= 1
+    assert idle_load == {WAITING: 0.0, KV_CACHE_USAGE: 0.0, QUEUED_PROMPT_TOKENS: 0.0}
     assert (info.id, info.max_model_len, info.block_size) == ("tiny", 400, 16)
     assert info.kv_cache_blocks == busy.kv_blocks_total == idle.kv_blocks_total > 0
     assert (busy.active_requests, busy.running, busy.waiting) == (1, 1, 0) and busy.kv_blocks_used > 0
