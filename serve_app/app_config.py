@@ -50,6 +50,19 @@ def _is_network(text: str) -> bool:
     return True
 
 
+class ResponsesOptions(BaseModel):
+    """`/v1/responses`: how many stored responses (`store: true`) each ingress replica keeps
+    for `previous_response_id` and `GET /v1/responses/{id}` (serve_app/dialects/responses/store.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    store_max_entries: int = Field(
+        1000, ge=0, description="stored responses kept per ingress replica, least recently used dropped first; "
+        "0: none (previous_response_id is then always a 404)")
+    store_max_bytes: int = Field(
+        64 * 1024 * 1024, ge=0, description="cap on the stored responses' JSON (with their conversations) per "
+        "ingress replica, least recently used dropped first")
+
+
 class ServerOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     full_text_enabled: bool = Field(
@@ -69,6 +82,7 @@ class ServerOptions(BaseModel):
         None, min_length=1, description="path of a file with one API key per line; lines starting with '#' are comments"
     )
     media: MediaOptions = Field(MediaOptions(), description="where images in chat messages may come from")
+    responses: ResponsesOptions = Field(ResponsesOptions(), description="the /v1/responses store of each ingress replica")
 
 
 class AppConfig(BaseModel):

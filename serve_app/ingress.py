@@ -8,7 +8,8 @@ after that, errors travel as a final SSE event before `[DONE]`).
 
 Routes and the module that holds each dialect: `/v1/chat/completions`
 (dialects/chat/), `/lm/v2/chat/completions` (dialects/lm_v2.py), `/v1/completions`
-(dialects/completions.py). Each dialect supplies a request -> GenerateRequest translation,
+(dialects/completions.py), `/v1/responses` (dialects/responses/, a chat request
+underneath). Each dialect supplies a request -> GenerateRequest translation,
 a streamer (`events(first, rest)` -> SSE text) and an accumulator (`add(chunk)`,
 `result().dump_json()`). A request's `model` may name a LoRA adapter of a served model
 (serve_app/lora_adapters.py); `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`
@@ -42,6 +43,9 @@ from serve_app.dialects.chat.output import ChunkStreamer, CompletionAccumulator
 from serve_app.dialects.chat.request import ChatCompletionRequest
 from serve_app.dialects.chat.translate import new_request_id, to_generate_request
 from serve_app.dialects.common import ModelCard, ModelList
+from serve_app.dialects.responses import route as responses_route
+from serve_app.dialects.responses.request import ResponsesRequest
+from serve_app.dialects.responses.store import ResponseStore
 from serve_app.handle_api import HandleAPI
 from serve_app.http.auth import APIKeyAuth
 from serve_app.http.errors import APIError, not_found_model
@@ -119,6 +123,8 @@ class ChatIngress(HandleAPI):
             asyncio.get_running_loop().create_task(self._info(model))
         self.created = int(time.time())
         self.metrics = IngressMetrics(list(workers))  # this replica's own registry
+        store = self.config.server.responses
+        self.response_store = ResponseStore(store.store_max_entries, store.store_max_bytes)
         route_request_log_to_serve()
 
     @api.get("/health")
@@ -236,6 +242,25 @@ class ChatIngress(HandleAPI):
         else:
             output = completions.CompletionAccumulator(request_id, req)
         return await self._respond(transport, gen_request, req.stream, output, completions.WORKER_PARAM_NAMES)
+
+    @api.post("/v1/responses")
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API, answered through the chat path (dialects/responses/)."""
+        req = await self._parse(request, ResponsesRequest)
+        target = await self._target(req.model)
+        transport = self._worker(target.base_model)
+        response_id = responses_route.new_response_id()
+        call = responses_route.plan(req, response_id, self.response_store, self.config.model(target.base_model))
+        with responses_route.responses_params():
+            gen_request = await self._chat_generate_request(call.chat, response_id, target)
+        return await self._respond(transport, gen_request, req.stream, call.output, responses_route.WORKER_PARAM_NAMES)
+
+    @api.get("/v1/responses/{response_id}")
+    async def get_response(self, response_id: str, request: Request) -> Response:
+        """A response stored by this ingress replica (`store: true`), else 404."""
+        self.auth.check(request.headers.get("authorization"))
+        entry = self.response_store.get(response_id, param=None)
+        return Response(entry.body, media_type="application/json")
 
     async def _parse(self, request: Request, model_cls: type) -> Any:
         """API key, then body size, JSON and fields: the request model or an APIError.
