@@ -3,7 +3,7 @@
 The model's text goes through the reasoning parser first (if the model has one), then
 its content part through the tool-call parser (if the request has tools in play), so
 a `<tool_call>` written while thinking is reasoning, never a call. The accumulator and
-the streamer of chat_completions.py both use one `ChoiceParser` per choice.
+the streamer of serve_app/dialects/chat/output.py both use one `ChoiceParser` per choice.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from serve_app.dialects.chat.request import ChatCompletionRequest, Tool
+from serve_app.output.call_deltas import CallDelta
 from serve_app.output.reasoning import REASONING_PARSERS, DeepSeekR1ReasoningParser
-from serve_app.output.tool_parsers import PARSERS, ParsedCall, ToolParser
+from serve_app.output.tool_parsers import PARSERS, ToolParser
 from workers.contract.model_config import ModelConfig
 
 
@@ -20,7 +21,7 @@ from workers.contract.model_config import ModelConfig
 class ParsedDelta:
     reasoning: str = ""
     content: str = ""
-    calls: list[ParsedCall] = field(default_factory=list)
+    calls: list[CallDelta] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.reasoning or self.content or self.calls)
@@ -36,6 +37,7 @@ class OutputParsing:
     tools: tuple[Tool, ...] = ()
     tool_parser: type[ToolParser] | None = None
     reasoning_parser: type[DeepSeekR1ReasoningParser] | None = None
+    forced_calls: bool = False  # tool_choice required or named: the grammar makes the output calls
 
     @classmethod
     def of(cls, req: ChatCompletionRequest, model: ModelConfig | None) -> "OutputParsing":
@@ -46,6 +48,7 @@ class OutputParsing:
             tools=tools,
             tool_parser=PARSERS[model.tool_call_parser] if tools else None,
             reasoning_parser=REASONING_PARSERS[model.reasoning_parser] if model.reasoning_parser else None,
+            forced_calls=req.forced_tool_calls,
         )
 
     @property
@@ -54,7 +57,7 @@ class OutputParsing:
 
     def new_choice(self, reasoning_open: bool) -> "ChoiceParser":
         reasoning = self.reasoning_parser(reasoning_open) if self.reasoning_parser else None
-        tools = self.tool_parser(list(self.tools)) if self.tool_parser else None
+        tools = self.tool_parser(list(self.tools), self.forced_calls) if self.tool_parser else None
         return ChoiceParser(reasoning, tools)
 
 

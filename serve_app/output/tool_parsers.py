@@ -10,33 +10,29 @@ the format to a model whose chat template ignores tools (`ToolPrompt`).
 - `llama3_json` (Llama 3.1+): the whole answer is `{"name": ..., "parameters": {...}}`,
   optionally after `<|python_tag|>`; several calls are separated by `;`.
 
-Streaming: text that may still become a call (a prefix of the opening tag, or an open
-call) is held back; a call is emitted once it is complete and valid, so malformed
-output (bad JSON, unknown function) is returned as content instead, and the streamed
-and non-streamed answers are the same. Parsing never raises.
+Streaming: text that may still become a call (a prefix of the opening tag) is held back; a
+call is announced once its function is known and its arguments stream as they are written
+(serve_app/output/call_reader.py), so the streamed and non-streamed calls are the same.
+Markup of a call the output cut off is never content: the call is left out of the answer
+(its first pieces may have streamed; `finish_reason` says "length"). A closed call that is
+not one (bad JSON before the arguments, an unknown function) is content, unless the
+grammar forced calls. Parsing never raises.
 """
 
 from __future__ import annotations
 
 import json
-import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
 from serve_app.dialects.chat.request import FunctionDefinition, NamedToolChoice, Tool
+from serve_app.output.call_deltas import CallDelta, merged
+from serve_app.output.call_reader import CallReader, call_from, new_call_id
 from serve_app.output.tags import held_prefix
-from workers.contract.json_text import loads_json_text
 from workers.contract.requests import ToolPrompt
 
 _WS = r"/[ \t\n]*/"
-
-
-@dataclass(frozen=True)
-class ParsedCall:
-    id: str
-    name: str
-    arguments: str  # JSON text
 
 
 @dataclass
@@ -44,27 +40,7 @@ class ToolOutput:
     """What one piece of model text turned into."""
 
     content: str = ""
-    calls: list[ParsedCall] = field(default_factory=list)
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def _call_from(obj: Any, names: set[str], arguments_keys: tuple[str, ...]) -> ParsedCall | None:
-    """A call object with a known name and object arguments, else None."""
-    if not isinstance(obj, dict) or obj.get("name") not in names:
-        return None
-    key = next((k for k in arguments_keys if k in obj), None)
-    arguments = obj.get(key, {}) if key is not None else {}
-    if isinstance(arguments, str):  # some models write the arguments as JSON text
-        try:
-            arguments = loads_json_text(arguments)
-        except ValueError:
-            return None
-    if not isinstance(arguments, dict):
-        return None
-    return ParsedCall(new_call_id(), obj["name"], json.dumps(arguments, ensure_ascii=False))
+    calls: list[CallDelta] = field(default_factory=list)
 
 
 def _call_schema(function: FunctionDefinition, arguments_key: str, arguments: dict[str, Any]) -> dict[str, Any]:
@@ -131,10 +107,23 @@ class ToolParser(ABC):
 
     name: str = ""
     arguments_key: str = "arguments"
+    arguments_keys: tuple[str, ...] = ("arguments", "parameters")  # read, in this order
 
-    def __init__(self, tools: list[Tool]) -> None:
+    def __init__(self, tools: list[Tool], forced: bool = False) -> None:
+        """`forced`: the grammar forces the output to be calls (`tool_choice` required or
+        named), so no text of it is ever content."""
         self.names = {t.function.name for t in tools}
+        self.forced = forced
         self.made_calls = False
+        self._num_calls = 0
+
+    def _next_index(self) -> int:
+        self._num_calls += 1
+        self.made_calls = True
+        return self._num_calls - 1
+
+    def _reader(self) -> CallReader:
+        return CallReader(self.names, self.arguments_keys, self._next_index)
 
     @abstractmethod
     def push(self, text: str) -> ToolOutput:
@@ -145,10 +134,11 @@ class ToolParser(ABC):
         """Everything still held back, at the end of the output."""
 
     @classmethod
-    def parse(cls, text: str, tools: list[Tool]) -> ToolOutput:
-        parser = cls(tools)
+    def parse(cls, text: str, tools: list[Tool], forced: bool = False) -> ToolOutput:
+        """A whole text: its content and its whole calls, one delta each."""
+        parser = cls(tools, forced)
         first, last = parser.push(text), parser.finish()
-        return ToolOutput(first.content + last.content, first.calls + last.calls)
+        return ToolOutput(first.content + last.content, merged(first.calls + last.calls))
 
     @classmethod
     @abstractmethod
@@ -173,37 +163,50 @@ class HermesToolParser(ToolParser):
     name = "hermes"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
-    def __init__(self, tools: list[Tool]) -> None:
-        super().__init__(tools)
+    def __init__(self, tools: list[Tool], forced: bool = False) -> None:
+        super().__init__(tools, forced)
         self._buffer = ""
-        self._in_call = False
+        self._call: CallReader | None = None  # the call being read, between the tags
 
     def push(self, text: str) -> ToolOutput:
         self._buffer += text
         out = ToolOutput()
         while True:
-            if self._in_call:
-                end = self._buffer.find(self.CLOSE)
-                if end < 0:
+            if self._call is not None:
+                if not self._feed_call(out):
                     return out
-                self._close_call(self._buffer[:end], out)
-                self._buffer = self._buffer[end + len(self.CLOSE):]
-            else:
-                start = self._buffer.find(self.OPEN)
-                if start < 0:
-                    self._emit_text(out)
-                    return out
-                out.content += self._buffer[:start].rstrip()  # whitespace before a call is not content
-                self._buffer, self._in_call = self._buffer[start + len(self.OPEN):], True
+                continue
+            start = self._buffer.find(self.OPEN)
+            if start < 0:
+                self._emit_text(out)
+                return out
+            out.content += self._buffer[:start].rstrip()  # whitespace before a call is not content
+            self._buffer, self._call = self._buffer[start + len(self.OPEN):], self._reader()
 
     def finish(self) -> ToolOutput:
         out = ToolOutput()
-        if self._in_call:  # cut off before the closing tag: a complete call still counts
-            self._close_call(self._buffer, out, closed=False)
+        if self._call is not None:  # no closing tag: a complete call still counts, a cut one never
+            if self._call.state != "arguments":  # a held tag prefix cannot complete the arguments
+                self._add(out, self._call.push(self._buffer))
+            self._close_call(out, closed=False)
         elif self._buffer.strip() or not self.made_calls:
             out.content += self._buffer
         self._buffer = ""
         return out
+
+    def _feed_call(self, out: ToolOutput) -> bool:
+        """Give the open call its text up to the closing tag (holding back what may start
+        the tag); True when the tag closed it."""
+        end = self._buffer.find(self.CLOSE)
+        if end < 0:
+            cut = len(self._buffer) - held_prefix(self._buffer, self.CLOSE)
+            self._add(out, self._call.push(self._buffer[:cut]))
+            self._buffer = self._buffer[cut:]
+            return False
+        self._add(out, self._call.push(self._buffer[:end]))
+        self._buffer = self._buffer[end + len(self.CLOSE):]
+        self._close_call(out, closed=True)
+        return True
 
     def _emit_text(self, out: ToolOutput) -> None:
         """Emit what cannot be the start of a call. Trailing whitespace waits: if a call
@@ -213,17 +216,19 @@ class HermesToolParser(ToolParser):
         out.content += text
         self._buffer = self._buffer[len(text):]
 
-    def _close_call(self, body: str, out: ToolOutput, closed: bool = True) -> None:
-        self._in_call = False
-        try:
-            call = _call_from(loads_json_text(body), self.names, ("arguments", "parameters"))
-        except ValueError:
-            call = None
-        if call is None:
-            out.content += self.OPEN + body + (self.CLOSE if closed else "")
-            return
-        self.made_calls = True
-        out.calls.append(call)
+    def _close_call(self, out: ToolOutput, closed: bool) -> None:
+        call, self._call = self._call, None
+        last = call.end()
+        if last is not None:
+            out.calls.append(last)
+        elif closed and not call.announced and not self.forced:
+            out.content += self.OPEN + call.body + self.CLOSE  # closed, but not a call: the model's text
+        # else: cut off, or broken after it was announced: neither content nor a call
+
+    @staticmethod
+    def _add(out: ToolOutput, delta: CallDelta | None) -> None:
+        if delta is not None:
+            out.calls.append(delta)
 
     @classmethod
     def grammar(cls, tools: list[Tool], choice: Any, parallel: bool) -> str | None:
@@ -265,16 +270,24 @@ class HermesToolParser(ToolParser):
 
 
 class Llama3JsonToolParser(ToolParser):
+    """Under `auto` the whole answer is either text or calls, so calls are read when the
+    output ends (an answer that is not all valid calls is content). Forced, the grammar
+    makes it calls: each streams like a hermes call and ends at its closing brace."""
+
     name = "llama3_json"
     arguments_key = "parameters"
+    arguments_keys = ("parameters", "arguments")
     PYTHON_TAG = "<|python_tag|>"
 
-    def __init__(self, tools: list[Tool]) -> None:
-        super().__init__(tools)
+    def __init__(self, tools: list[Tool], forced: bool = False) -> None:
+        super().__init__(tools, forced)
         self._buffer = ""
         self._mode: str | None = None  # None: undecided; "text" or "call"
+        self._call: CallReader | None = None  # forced: the call being read
 
     def push(self, text: str) -> ToolOutput:
+        if self.forced:
+            return self._push_forced(text)
         self._buffer += text
         if self._mode is None:
             self._decide()
@@ -284,14 +297,39 @@ class Llama3JsonToolParser(ToolParser):
         return ToolOutput()  # undecided, or a call: wait for the end
 
     def finish(self) -> ToolOutput:
+        if self.forced:
+            return self._finish_forced()
         text, self._buffer = self._buffer, ""
         if self._mode == "text" or not text:
             return ToolOutput(text)
         calls = self._calls(text)
         if calls is None:
             return ToolOutput(text)
-        self.made_calls = bool(calls)
         return ToolOutput("", calls)
+
+    def _push_forced(self, text: str) -> ToolOutput:
+        """Calls one after the other; what lies between them (`; `, the python tag) is markup."""
+        out = ToolOutput()
+        while text:
+            if self._call is None:
+                start = text.find("{")
+                if start < 0:
+                    return out
+                text, self._call = text[start:], self._reader()
+            if (delta := self._call.push(text)) is not None:
+                out.calls.append(delta)
+            if self._call.rest is None:
+                return out
+            text = self._call.rest
+            if (last := self._call.end()) is not None:
+                out.calls.append(last)
+            self._call = None
+        return out
+
+    def _finish_forced(self) -> ToolOutput:
+        call, self._call = self._call, None
+        last = call.end() if call is not None else None  # whole, or cut off: left out
+        return ToolOutput("", [last] if last is not None else [])
 
     def _decide(self) -> None:
         head = self._buffer.lstrip()
@@ -299,22 +337,22 @@ class Llama3JsonToolParser(ToolParser):
             return  # still undecided
         self._mode = "call" if head.startswith(("{", self.PYTHON_TAG)) else "text"
 
-    def _calls(self, text: str) -> list[ParsedCall] | None:
+    def _calls(self, text: str) -> list[CallDelta] | None:
         """Every call of a `;`-separated list of JSON objects, or None if any is not one."""
         rest = text.strip().removeprefix(self.PYTHON_TAG)
-        decoder, calls = json.JSONDecoder(), []
+        decoder, found = json.JSONDecoder(), []
         while rest.strip(" \n\t;"):
             rest = rest.lstrip(" \n\t;")
             try:
                 obj, end = decoder.raw_decode(rest)
             except (ValueError, RecursionError):  # malformed, or nested past Python's limit
                 return None
-            call = _call_from(obj, self.names, ("parameters", "arguments"))
+            call = call_from(obj, self.names, self.arguments_keys)
             if call is None:
                 return None
-            calls.append(call)
+            found.append(call)
             rest = rest[end:]
-        return calls
+        return [CallDelta(self._next_index(), arguments, new_call_id(), name, done=True) for name, arguments in found]
 
     @classmethod
     def grammar(cls, tools: list[Tool], choice: Any, parallel: bool) -> str | None:

@@ -26,8 +26,8 @@ from serve_app.dialects.chat.response import (
 from serve_app.dialects.common import usage_of
 from serve_app.http.errors import APIError
 from serve_app.http.sse import sse, sse_json
+from serve_app.output.call_deltas import CallAssembly, CallDelta, ParsedCall
 from serve_app.output.choice_parser import ChoiceParser, OutputParsing, ParsedDelta
-from serve_app.output.tool_parsers import ParsedCall
 from workers.contract.chunks import GenerationChunk, TokenLogprob, TopLogprob
 
 
@@ -61,11 +61,17 @@ def prompt_logprob_entries(items: list[dict[int, TopLogprob] | None]) -> list[di
 class _ChoiceState:
     texts: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
-    calls: list[ParsedCall] = field(default_factory=list)
+    calls: CallAssembly = field(default_factory=CallAssembly)
     parser: ChoiceParser | None = None
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    role_sent: bool = False  # streaming: `role` goes in the choice's first delta only
+
+    def take_role(self) -> bool:
+        """Whether this delta is the choice's first (and so carries the role)."""
+        first, self.role_sent = not self.role_sent, True
+        return first
 
     def add_text(self, chunk: GenerationChunk, parsing: OutputParsing) -> ParsedDelta:
         """The chunk's text read by the choice's parsers (if any); the last chunk flushes them."""
@@ -79,7 +85,7 @@ class _ChoiceState:
             parsed = parsed.extend(self.parser.finish())
         self.texts.append(parsed.content)
         self.reasoning.append(parsed.reasoning)
-        self.calls.extend(parsed.calls)
+        self.calls.add(parsed.calls)
         return parsed
 
     @property
@@ -93,7 +99,7 @@ class _ChoiceState:
             message.reasoning_content = "".join(self.reasoning) or None
         if self.calls:
             message.content = content if content.strip() else None
-            message.tool_calls = [tool_call(c) for c in self.calls]
+            message.tool_calls = [tool_call(c) for c in self.calls.complete()]
         return message
 
     def final_reason(self) -> str | None:
@@ -171,9 +177,9 @@ class ChunkStreamer:
     """Turns worker chunks into `chat.completion.chunk` SSE events.
 
     With parsers in play (tools, reasoning), a chunk's text becomes `reasoning_content`,
-    `content` and tool-call deltas: each call as one delta with its index, id, type and
-    name, then one that carries its arguments (calls are emitted once complete, see
-    serve_app/tool_parsers.py)."""
+    `content` and tool-call deltas: a call's first delta has its index, id, type, name and
+    the arguments so far; later ones append to its arguments as the model writes them
+    (serve_app/output/tool_parsers.py). `role` is in each choice's first delta only."""
 
     def __init__(self, request_id: str, req: ChatCompletionRequest, full_text_enabled: bool,
                  parsing: OutputParsing = OutputParsing()) -> None:
@@ -198,7 +204,7 @@ class ChunkStreamer:
                 if isinstance(item, ChatCompletionChunk):
                     yield sse_json(item.dump_json())
                 elif item.text or item.finish_reason is not None:
-                    yield sse_json(plain.content(item))
+                    yield sse_json(plain.content(item, self.states[item.index].take_role()))
         except APIError as exc:
             yield sse(exc.body())
         yield "data: [DONE]\n\n"
@@ -237,23 +243,23 @@ class ChunkStreamer:
 
     def _chunk_events(self, chunk: GenerationChunk) -> list[ChatCompletionChunk]:
         state = self.states[chunk.index]
-        num_calls = len(state.calls)
         parsed = state.add_text(chunk, self.parsing)
         state.finish_reason = chunk.finish_reason
         self.full_texts[chunk.index] += parsed.content
+        calls = [d for c in parsed.calls if (d := _call_delta(c)) is not None]
         has_news = parsed.content or parsed.reasoning or chunk.logprobs or chunk.prompt_logprobs \
-            or (chunk.finish_reason is not None and not parsed.calls)  # else the finish rides on the last call
-        if not has_news and not parsed.calls:
+            or (chunk.finish_reason is not None and not calls)  # else the finish rides on the last call
+        if not has_news and not calls:
             return []  # text held back (partial UTF-8, a possible stop string or tag)
         content = self.full_texts[chunk.index] if self.full_text_enabled else parsed.content
-        delta = Delta(role="assistant")
+        delta = Delta()
         if content or not parsed.reasoning:
             delta.content = content
         if parsed.reasoning:
             delta.reasoning_content = parsed.reasoning
-        deltas = [delta] if has_news else []
-        for i, call in enumerate(parsed.calls, start=num_calls):
-            deltas += _call_deltas(i, call)
+        deltas = ([delta] if has_news else []) + calls
+        if state.take_role():
+            deltas[0].role = "assistant"
         events = [self._event(chunk, d) for d in deltas]
         self._decorate_first(events[0], chunk)
         self._decorate_last(events[-1], chunk, state)
@@ -306,9 +312,11 @@ class PlainEvents:
         self._head = (f'{{"id":{_json(request_id)},"object":"chat.completion.chunk","created":{created},'
                       f'"model":{_json(model)},"choices":[{{"index":')
 
-    def content(self, chunk: GenerationChunk) -> str:
+    def content(self, chunk: GenerationChunk, role: bool) -> str:
+        """`role`: the choice's first delta, which carries the role."""
         finish = "null" if chunk.finish_reason is None else _json(chunk.finish_reason)
-        event = (f'{self._head}{chunk.index},"delta":{{"role":"assistant","content":{_json(chunk.text)}}},'
+        delta = '{"role":"assistant","content":' if role else '{"content":'
+        event = (f'{self._head}{chunk.index},"delta":{delta}{_json(chunk.text)}}},'
                  f'"logprobs":null,"finish_reason":{finish}')
         if chunk.finish_reason is not None and chunk.stop_reason is not None:
             event += f',"stop_reason":{_json(chunk.stop_reason)}'
@@ -319,10 +327,16 @@ def _json(value: str | int) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def _call_deltas(index: int, call: ParsedCall) -> list[Delta]:
-    """OpenAI's shape: the call's id, type and name first, then its arguments to append."""
-    head = DeltaToolCall(index=index, id=call.id, type="function", function=DeltaFunctionCall(name=call.name, arguments=""))
-    body = DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=call.arguments))
-    return [Delta(role="assistant", tool_calls=[head]), Delta(role="assistant", tool_calls=[body])]
+def _call_delta(call: CallDelta) -> Delta | None:
+    """OpenAI's shape: a call's first delta has its index, id, type, name and (maybe empty)
+    arguments; later ones its index and arguments to append. None: nothing to send (the
+    call's end)."""
+    if call.id is not None:
+        head = DeltaToolCall(index=call.index, id=call.id, type="function",
+                             function=DeltaFunctionCall(name=call.name, arguments=call.arguments))
+        return Delta(tool_calls=[head])
+    if call.arguments:
+        return Delta(tool_calls=[DeltaToolCall(index=call.index, function=DeltaFunctionCall(arguments=call.arguments))])
+    return None
 
 

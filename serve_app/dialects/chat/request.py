@@ -175,12 +175,15 @@ class ChatCompletionRequest(SamplingFields, ChatPrompt):
         return [] if self.effective_tool_choice == "none" else list(self.tools or [])
 
     @property
+    def forced_tool_calls(self) -> bool:
+        """Whether the grammar forces the output to be calls (`required`, a named function)."""
+        choice = self.effective_tool_choice
+        return bool(self.tools_in_play) and (choice == "required" or isinstance(choice, NamedToolChoice))
+
+    @property
     def guided_tools(self) -> bool:
         """Whether the tool calls must be constrained by a grammar."""
-        choice = self.effective_tool_choice
-        return bool(self.tools_in_play) and (
-            choice == "required" or isinstance(choice, NamedToolChoice)
-            or any(t.function.strict for t in self.tools_in_play))
+        return self.forced_tool_calls or any(t.function.strict for t in self.tools_in_play)
 
     @property
     def output_cap(self) -> int | None:

@@ -26,13 +26,15 @@ def streamer(**fields) -> ChunkStreamer:
 
 
 @settings(max_examples=300, deadline=None)
-@given(text=texts, finish=finishes, stop_reason=stop_reasons, index=st.integers(0, 3))
-def test_a_template_event_is_what_the_models_dump(text, finish, stop_reason, index):
+@given(text=texts, finish=finishes, stop_reason=stop_reasons, index=st.integers(0, 3), first=st.booleans())
+def test_a_template_event_is_what_the_models_dump(text, finish, stop_reason, index, first):
     chunk = GenerationChunk(index=index, text=text or ("" if finish else "x"), finish_reason=finish,
                             stop_reason=stop_reason, token_ids=[1], completion_tokens=1)
     via_models = streamer(n=4)
+    via_models.states[index].role_sent = not first  # the role goes in a choice's first delta only
     (event,) = via_models._chunk_events(chunk)
-    assert PlainEvents(via_models.request_id, via_models.created, via_models.model).content(chunk) == event.dump_json()
+    template = PlainEvents(via_models.request_id, via_models.created, via_models.model)
+    assert template.content(chunk, role=first) == event.dump_json()
 
 
 def collect(stream: ChunkStreamer, chunks: list[GenerationChunk], plain: bool) -> list[str]:

@@ -89,11 +89,11 @@ def test_only_calls_gives_null_content_and_several_calls_get_their_own_indexes()
     assert len({h["id"] for h in heads}) == 2
 
 
-def test_a_call_cut_by_length_is_content_and_the_reason_stays_length():
-    text = '<tool_call>{"name": "add", "argu'
+def test_a_call_cut_by_length_is_not_content_and_the_reason_stays_length():
+    text = 'Adding.<tool_call>{"name": "add", "argu'
     body = accumulate(request(), ModelConfig(id="m"), chunks_of(text, 3, reason="length"))
     choice = body["choices"][0]
-    assert choice["finish_reason"] == "length" and choice["message"]["content"] == text
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] == "Adding."
     assert "tool_calls" not in choice["message"]
 
 

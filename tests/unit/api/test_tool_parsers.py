@@ -1,6 +1,7 @@
-"""Tool-call parsers (serve_app/tool_parsers.py): whole texts, the same texts streamed in
-every split, malformed output returned as content; and the grammars that force calls,
-checked with llguidance against the tiny tokenizer."""
+"""Tool-call parsers (serve_app/output/tool_parsers.py): whole texts, the same texts streamed
+in every split (arguments piece by piece, adding up to the whole), malformed output returned
+as content, cut calls never; and the grammars that force calls, checked with llguidance
+against the tiny tokenizer."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import pytest
 from llguidance import LLMatcher
 
 from serve_app.dialects.chat.request import NamedToolChoice, Tool
+from serve_app.output.call_deltas import CallDelta, merged
+from serve_app.output.json_object_end import ObjectEnd
 from serve_app.output.tool_parsers import (
     HermesToolParser,
     Llama3JsonToolParser,
@@ -46,22 +49,29 @@ HERMES_OUTPUTS = [
 # Recorded from SmolLM2-135M-Instruct (the default model; its template ignores tools, so
 # chatserve's hermes section taught it the format), seed 001 request sample 1, greedy, 60
 # tokens: with tool_choice "required" (parallel calls allowed) it repeats the call until
-# the cap, and the cut second call comes back as content; under "auto" it answers in text.
+# the cap; the cut second call is left out (it once came back as content); under "auto" it
+# answers in text.
 SMOLLM2_REQUIRED = ('<tool_call>\n{"name": "get_delivery_date", "arguments": {"order_id": "{order_id}"}}\n</tool_call>\n'
                     '<tool_call>\n{"name": "get_delivery_date", "arguments": {"order_')
 SMOLLM2_AUTO = ("You can use the `get_delivery_date()` function in the `get_delivery_date()` function call to get the "
                 "delivery date for a customer's order.\n\nHere's an example:\n```\ndef get_delivery_date(order_id):\n"
                 "    return get_delivery")
 HERMES_OUTPUTS += [
-    (SMOLLM2_REQUIRED, '<tool_call>\n{"name": "get_delivery_date", "arguments": {"order_',
-     [("get_delivery_date", {"order_id": "{order_id}"})]),
+    (SMOLLM2_REQUIRED, "", [("get_delivery_date", {"order_id": "{order_id}"})]),
     (SMOLLM2_AUTO, SMOLLM2_AUTO, []),
 ]
+# Closed, but not a call (known before any of it streamed as one): content.
 HERMES_MALFORMED = [
-    '<tool_call>\n{"name": "add", "arguments": {"a": 1,, }}\n</tool_call>',  # bad JSON
     '<tool_call>\n{"name": "launch_rocket", "arguments": {}}\n</tool_call>',  # unknown function
     '<tool_call>\n{"name": "add", "arguments": [1, 2]}\n</tool_call>',  # arguments not an object
-    '<tool_call>\n{"name": "add", "argum',  # cut off inside the call
+    '<tool_call>\n{"nom": "add"}\n</tool_call>',  # not a call object
+]
+# Cut off inside a call (max_tokens): the markup is never content, the call never a call.
+HERMES_CUT = [
+    ('<tool_call>\n{"name": "add", "argum', ""),
+    ('Let me add. <tool_call>\n{"name": "add", "arguments": {"a": 1, "b"', "Let me add."),
+    ('<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n{"name": "ad', ""),
+    ('<tool_call>\n{"name": "add", "arguments": {"a": "}</tool_c', ""),
 ]
 LLAMA_OUTPUTS = [
     ('{"name": "get_delivery_date", "parameters": {"order_id": "12345"}}', "", [("get_delivery_date", {"order_id": "12345"})]),
@@ -82,15 +92,26 @@ def calls_of(out: ToolOutput) -> list[tuple[str, dict]]:
     return [(c.name, json.loads(c.arguments)) for c in out.calls]
 
 
-def streamed(parser_cls, pieces: list[str]) -> ToolOutput:
-    parser = parser_cls(TOOLS)
-    content, calls = "", []
-    for piece in pieces:
-        out = parser.push(piece)
+def streamed(parser_cls, pieces: list[str], forced: bool = False) -> ToolOutput:
+    """The content and the whole calls of a text pushed in `pieces`; checks on the way that
+    each call's deltas have OpenAI's shape and add up to its arguments."""
+    parser = parser_cls(TOOLS, forced)
+    content, deltas = "", []
+    for piece in [*pieces, None]:
+        out = parser.push(piece) if piece is not None else parser.finish()
         content += out.content
-        calls += out.calls
-    last = parser.finish()
-    return ToolOutput(content + last.content, calls + last.calls)
+        deltas += out.calls
+    check_delta_shapes(deltas)
+    return ToolOutput(content, merged(deltas))
+
+
+def check_delta_shapes(deltas: list[CallDelta]) -> None:
+    seen: dict[int, int] = {}
+    for delta in deltas:
+        first = delta.index not in seen
+        assert (delta.id is not None) == first and (delta.name is not None) == first, deltas
+        seen[delta.index] = seen.get(delta.index, 0) + 1
+    assert sorted(seen) == list(range(len(seen)))  # calls numbered in order, from 0
 
 
 def splits(text: str):
@@ -134,13 +155,73 @@ def test_malformed_calls_come_back_as_content(parser_cls, texts):
             assert (out.content, out.calls) == (text, [])
 
 
+@pytest.mark.parametrize("forced", [False, True])
+def test_a_cut_call_is_neither_content_nor_a_call(forced):
+    for text, content in HERMES_CUT:
+        for pieces in splits(text):
+            out = streamed(HermesToolParser, pieces, forced)
+            assert out.content == content, pieces
+            assert [c.name for c in out.calls] == (["add"] if "</tool_call>" in text else []), pieces
+
+
+def test_a_closed_call_with_bad_json_arguments_keeps_them_as_written():
+    """Once its function is known the call has streamed, so it stays a call; its arguments
+    are the model's text (as OpenAI's: validate them). Under a grammar they are valid."""
+    text = '<tool_call>\n{"name": "add", "arguments": {"a": 1,, }}\n</tool_call>'
+    for pieces in splits(text):
+        [call] = streamed(HermesToolParser, pieces).calls
+        assert (call.name, call.arguments) == ("add", '{"a": 1,, }')
+
+
+def test_forced_output_is_never_content():
+    closed_but_not_a_call = '<tool_call>\n{"name": "launch_rocket", "arguments": {}}\n</tool_call>'
+    assert HermesToolParser.parse(closed_but_not_a_call, TOOLS, forced=True) == ToolOutput("", [])
+    cut = '{"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "add", "parameters": {"a": '
+    for pieces in splits(cut):
+        out = streamed(Llama3JsonToolParser, pieces, forced=True)
+        assert (out.content, calls_of(out)) == ("", [("add", {"a": 1, "b": 2})]), pieces
+
+
+def test_arguments_stream_as_written_before_the_call_closes():
+    parser = HermesToolParser(TOOLS)
+    [head] = parser.push('<tool_call>\n{"name": "add", "arguments": ').calls + parser.push("{").calls
+    assert (head.index, head.name, head.arguments) == (0, "add", "{") and head.id.startswith("call_")
+    pieces = ['"a": 1', ', "b": "x}<', "/y", '"}', "}\n</tool", "_call>"]
+    got = [[(d.index, d.id, d.arguments, d.done) for d in parser.push(p).calls] for p in pieces]
+    # A "<" may start the closing tag: held until the next piece shows it does not.
+    assert got == [[(0, None, '"a": 1', False)], [(0, None, ', "b": "x}', False)], [(0, None, "</y", False)],
+                   [(0, None, '"}', False)], [], [(0, None, "", True)]]
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED_ADD_CHOICE := NamedToolChoice.model_validate(
+    {"type": "function", "function": {"name": "add"}})])
+def test_forced_llama_calls_stream_in_every_split(choice):
+    text = ('<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": {"c": "}; {"}}}; '
+            '{"name": "get_delivery_date", "parameters": {"order_id": "7"}}')
+    whole = [("add", {"a": 1, "b": {"c": "}; {"}}), ("get_delivery_date", {"order_id": "7"})]
+    for pieces in splits(text):
+        out = streamed(Llama3JsonToolParser, pieces, forced=True)
+        assert (out.content, calls_of(out)) == ("", whole), pieces
+
+
+@pytest.mark.parametrize("split_at", range(1, 12))
+def test_object_end_in_any_split(split_at):
+    text = '{"a": "\\"}{", "b": {"c": [1, "\\\\"]}} tail'
+    end = ObjectEnd()
+    first, rest = text[:split_at], text[split_at:]
+    found = end.feed(first)
+    assert found is None
+    assert split_at + end.feed(rest) == text.index(" tail")
+
+
 def test_content_before_a_call_streams_before_the_call_completes():
     parser = HermesToolParser(TOOLS)
     assert parser.push("Checking your order").content == "Checking your order"
     assert parser.push(" now <tool").content == " now"  # "<tool" may open a call, " " may precede one: held
-    assert parser.push('_call>{"name": "add", "arguments": {"a": 1, "b": 2}}').content == ""
-    out = parser.push("</tool_call>")
-    assert calls_of(out) == [("add", {"a": 1, "b": 2})]
+    opened = parser.push('_call>{"name": "add", "arguments": {"a": 1, "b": 2}}')
+    assert opened.content == "" and [(c.name, c.arguments) for c in opened.calls] == [("add", '{"a": 1, "b": 2}')]
+    closed = parser.push("</tool_call>")
+    assert calls_of(ToolOutput("", merged(opened.calls + closed.calls))) == [("add", {"a": 1, "b": 2})]
 
 
 def test_a_held_back_tag_prefix_is_released_when_it_is_not_a_tag():
