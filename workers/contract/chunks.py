@@ -59,7 +59,7 @@ class GenerationChunk:
     prefill_time_ms: float | None = None  # on the chunk that carries the first token
     queue_time_ms: float | None = None  # on that chunk too: waiting before the first model step
     decode_times_ms: list[float] = field(default_factory=list)  # one per later token
-    logprobs: list[TokenLogprob] | None = None  # one per token of `text`, when asked
+    logprobs: list[TokenLogprob] | None = None  # when asked: one per token whose text is in `text` (not EOS)
     prompt_logprobs: list[dict[int, TopLogprob] | None] | None = None  # first chunk only, when asked
     reasoning_open: bool = False  # the prompt ends with `reasoning_start`: the output begins inside it
     error: ErrorInfo | None = None

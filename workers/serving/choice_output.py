@@ -1,6 +1,8 @@
 """One choice of a request on its way out: its tokens become text (detokenized, cut at a
 stop string), timings and logprobs, one `GenerationChunk` per batch of its events. A
-resumed choice first replays the ids its client already has, so its text goes on exactly."""
+token's logprob goes out with its text (an EOS or stop token not shown, or text cut at a
+stop string, has none). A resumed choice first replays the ids its client already has, so
+its text goes on exactly."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from workers.engine.events import TokenEvent
 from workers.engine.resume import ContinuationError
 from workers.engine.sequence import FinishReason
 from workers.text.detokenizer import IncrementalDetokenizer
+from workers.text.held_logprobs import HeldLogprobs
 from workers.text.stop_strings import StopStringMatcher
 
 
@@ -37,6 +40,7 @@ class ChoiceOutput:
         self.num_tokens = 0
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
         self.stops = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+        self.held_logprobs = HeldLogprobs()
         self.last_time = arrival
         self.finished = False
 
@@ -91,11 +95,7 @@ class ChoiceOutput:
             usage.completion_tokens += 1
             chunk.token_ids.append(event.token_id)
             if self._shows_token(event):
-                # Stop strings only count once min_tokens are out (as vLLM).
-                armed = self.num_tokens >= self.params.min_tokens
-                texts.append(self.stops.push(self.detok.push(event.token_id), armed))
-            if chunk.logprobs is not None and event.logprob is not None:
-                chunk.logprobs.append(self._token_logprob(event))
+                self._add_text(event, texts, chunk.logprobs is not None)
             if self.stops.matched is not None:
                 chunk.finish_reason, chunk.stop_reason = FinishReason.STOP.value, self.stops.matched
                 break
@@ -105,9 +105,28 @@ class ChoiceOutput:
                 chunk.stop_reason = event.stop_token_id
                 break
         self.finished = chunk.finish_reason is not None
+        if chunk.logprobs is not None:
+            chunk.logprobs = self._released_logprobs()
         chunk.text = "".join(texts)
         chunk.completion_tokens = usage.completion_tokens
         return chunk
+
+    def _add_text(self, event: TokenEvent, texts: list[str], logprobs: bool) -> None:
+        # Stop strings only count once min_tokens are out (as vLLM).
+        armed = self.num_tokens >= self.params.min_tokens
+        start = len(self.stops.text)
+        piece = self.detok.push(event.token_id)
+        texts.append(self.stops.push(piece, armed))
+        if logprobs and event.logprob is not None:
+            self.held_logprobs.add(start, start + len(piece), self._token_logprob(event))
+
+    def _released_logprobs(self) -> list[TokenLogprob]:
+        """The entries of the tokens whose text this chunk carries (all, once the choice ends)."""
+        if self.stops.matched is not None:
+            return self.held_logprobs.cut(len(self.stops.text))
+        if self.finished:
+            return self.held_logprobs.flush()
+        return self.held_logprobs.release(self.stops.released)
 
     def _whole_beam(self, chunk: GenerationChunk, event: TokenEvent, usage: Usage) -> GenerationChunk:
         """Beam search returns each finished beam at once: its text, cut at a stop string."""

@@ -36,6 +36,11 @@ class StopStringMatcher:
             return self._take(len(self.text))
         return self._take(len(self.text) - self._hold)
 
+    @property
+    def released(self) -> int:
+        """How many characters of `text` have been returned so far."""
+        return self._sent
+
     def flush(self) -> str:
         """The request ended without a match: release the held-back text."""
         return self._take(len(self.text))

@@ -1,0 +1,53 @@
+"""Log-probabilities that travel with their token's text: a token's entry goes out when the
+stop matcher releases its text, and is dropped when a stop string cuts its text off, so
+`logprobs` lists exactly the tokens of the content, in streams too."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from workers.contract.chunks import TokenLogprob
+
+
+@dataclass
+class _Held:
+    start: int  # the token's text in the matcher's text: [start, end)
+    end: int
+    logprob: TokenLogprob
+
+
+class HeldLogprobs:
+    def __init__(self) -> None:
+        self._items: list[_Held] = []
+
+    def add(self, start: int, end: int, logprob: TokenLogprob) -> None:
+        """A token whose text is [start, end) of the output text. Tokens before it without
+        text of their own (the first bytes of a character) go out with it."""
+        if end > start:
+            for item in reversed(self._items):
+                if item.end != start or item.start != start:
+                    break
+                item.end = end
+        self._items.append(_Held(start, end, logprob))
+
+    def release(self, released: int) -> list[TokenLogprob]:
+        """The entries whose text is all out (the first `released` characters)."""
+        count = 0
+        while count < len(self._items) and self._items[count].end <= released and \
+                self._items[count].end > self._items[count].start:
+            count += 1
+        out = [item.logprob for item in self._items[:count]]
+        del self._items[:count]
+        return out
+
+    def cut(self, text_end: int) -> list[TokenLogprob]:
+        """A stop string ended the text at `text_end`: the entries of tokens with text before
+        it; those wholly in the cut-off part are dropped."""
+        out = [item.logprob for item in self._items if item.start < text_end]
+        self._items.clear()
+        return out
+
+    def flush(self) -> list[TokenLogprob]:
+        """The output ended: every entry left."""
+        out, self._items = [item.logprob for item in self._items], []
+        return out
