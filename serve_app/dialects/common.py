@@ -182,7 +182,8 @@ class SamplingFields(RequestModel):
 
     @property
     def output_cap(self) -> int | None:
-        """The most tokens the answer may have; None: the rest of the context window."""
+        """The most tokens the answer may have; None: the model's `default_max_tokens`, within
+        the context window (the worker applies it)."""
         return self.max_tokens
 
     @property

@@ -6,7 +6,7 @@ template. Sampling fields mean what they mean on /v1/chat/completions.
 
 - `prompt`: a string, or a list holding one string. Token-id prompts and lists of
   several prompts get a 400 naming `prompt` (send one request per prompt).
-- `max_tokens`: default 16, as OpenAI; `null` means the rest of the context window.
+- `max_tokens`: default 16, as OpenAI; `null` means the model's `default_max_tokens`.
 - `echo: true` puts the prompt in front of the text (in a stream: in front of the first
   text event).
 - `n`: that many choices, sharing one prefill (greedy with n > 1 is a 400, as on chat).
@@ -93,7 +93,7 @@ class TextPrompt(RequestModel):
 # is answered about the first, and the model and prompt lead, as in OpenAI's order.
 class CompletionRequest(SamplingFields, TextPrompt):
     suffix: str | None = None
-    max_tokens: int | None = Field(DEFAULT_MAX_TOKENS, ge=1)  # null: the rest of the context window
+    max_tokens: int | None = Field(DEFAULT_MAX_TOKENS, ge=1)  # null: the model's default_max_tokens
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 

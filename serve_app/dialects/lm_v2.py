@@ -20,7 +20,7 @@ Request:
 - `penalty_score`: default 1.0, range [1, 2]: the multiplicative repetition penalty
   (`SamplingParams.repetition_penalty`). `presence_penalty`, `frequency_penalty`:
   default 0, range [-2, 2].
-- `max_completion_tokens` caps the output (absent: the rest of the context window);
+- `max_completion_tokens` caps the output (absent: the model's `default_max_tokens`);
   `stop` (string or list of non-empty strings); `stream`;
   `stream_options.include_usage` (only with `stream: true`).
 - JSON `null` for an optional field means its default. Unknown fields are ignored, as on /v1.

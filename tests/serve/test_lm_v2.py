@@ -41,7 +41,7 @@ def test_defaults_are_the_dialects():
     assert (p.temperature, p.top_p, p.top_k) == (0.95, 0.8, 0)
     assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.0, 0.0, 0.0)
     assert p.stop == () and not p.ignore_eos and p.n == 1
-    assert gen.max_tokens is None  # the rest of the context window
+    assert gen.max_tokens is None  # the model's default_max_tokens (the worker applies it)
     assert gen.messages == MESSAGES
 
 

@@ -38,8 +38,8 @@ ROUTES: dict[str, type] = {
 }
 
 # Upper bounds for generated valid bodies: small enough that a request on the tiny model
-# takes milliseconds. The token cap is nearly always set, since an unset one means "the
-# rest of the context window".
+# takes milliseconds. The token cap is nearly always set, since an unset one means the
+# model's default_max_tokens (up to the rest of the context window).
 SMALL_CAPS = {"max_tokens": 8, "max_completion_tokens": 8, "n": 3, "best_of": 3, "min_tokens": 4,
               "top_logprobs": 5, "prompt_logprobs": 5, "logprobs": 5}
 TOKEN_CAP_FIELDS = ("max_tokens", "max_completion_tokens")

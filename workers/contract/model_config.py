@@ -8,6 +8,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 BUILTIN_DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
+# The output cap of a request that names none. vLLM has none (the rest of the window), so a
+# model that never ends its answer (a loop, a badly prompted or broken model) holds a batch
+# slot and a whole window of KV (128k tokens on current models) for many minutes; 4096 fits
+# nearly every chat answer and a moderate reasoning trace, and a request may ask for more,
+# up to the window. MindIE's equivalent, maxIterTimes, defaults to 512.
+DEFAULT_MAX_TOKENS = 4096
 CPU_DEFAULT_KV_CACHE_GIB = 1.0
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9._:/@+-]{1,128}")
 
@@ -237,6 +243,10 @@ class ModelConfig(_Strict):
     )
     tool_call_parser: Literal["hermes", "llama3_json"] = Field(
         "hermes", description="the format the model writes tool calls in (serve_app/output/tool_parsers.py)")
+    default_max_tokens: int | None = Field(
+        DEFAULT_MAX_TOKENS, ge=1, description="the output cap of a request that names none (`max_tokens`, "
+        "`max_completion_tokens`; MindIE's maxIterTimes); the context window stays the hard limit; null: the rest "
+        "of the window")
     reasoning_parser: Literal["deepseek_r1"] | None = Field(
         None, description="split `<think>...</think>` into reasoning_content on /v1 (serve_app/output/reasoning.py)")
     lora: LoraConfig | None = Field(

@@ -49,7 +49,7 @@ class GenerateRequest:
     params: SamplingParams
     messages: list[dict[str, Any]] | None = None
     prompt: str | None = None
-    max_tokens: int | None = None  # None: the rest of the context window
+    max_tokens: int | None = None  # None: the model's default_max_tokens, within the context window
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     images: tuple[ImageData, ...] = ()
     tools: list[dict[str, Any]] | None = None  # OpenAI tool objects the model may call

@@ -59,7 +59,8 @@ class ModelWorker:
         engine_config = self.config.engine
         timeouts = Timeouts(engine_config.first_token_timeout_s, engine_config.request_timeout_s)
         self.processor = RequestProcessor(self.engine, loaded.tokenizer, timeouts, vision_prompts(loaded, self.config),
-                                          stream_interval=engine_config.stream_interval)
+                                          stream_interval=engine_config.stream_interval,
+                                          default_max_tokens=self.config.default_max_tokens)
         self.tokenization = Tokenization(loaded.tokenizer, self.processor.prompts, self.processor.max_model_len,
                                          self.processor.vision)
         self.channels = ChannelRegistry()

@@ -40,11 +40,14 @@ __all__ = ["RequestProcessor", "Timeouts"]
 
 class RequestProcessor:
     def __init__(self, engine: AsyncEngine, tokenizer, timeouts: Timeouts = Timeouts(),
-                 vision: VisionPromptBuilder | None = None, stream_interval: int = 1) -> None:
+                 vision: VisionPromptBuilder | None = None, stream_interval: int = 1,
+                 default_max_tokens: int | None = None) -> None:
         """`stream_interval`: after the first token, a chunk goes out once this many tokens
         per choice are waiting (or the request ends): fewer, larger messages, at the price
-        of a burstier stream."""
+        of a burstier stream. `default_max_tokens`: the output cap of a request that names
+        none (None: the rest of the window)."""
         self.engine = engine
+        self.default_max_tokens = default_max_tokens
         self.timeouts = timeouts
         self.stream_interval = stream_interval
         self.tokenizer = tokenizer
@@ -168,8 +171,9 @@ class RequestProcessor:
 
     def _resolve_params(self, request: GenerateRequest, num_prompt_tokens: int) -> SamplingParams:
         max_tokens = request.max_tokens
-        if max_tokens is None:
-            max_tokens = max(1, self.max_model_len - num_prompt_tokens)
+        if max_tokens is None:  # the model's default cap, within what the window leaves
+            room = max(1, self.max_model_len - num_prompt_tokens)
+            max_tokens = room if self.default_max_tokens is None else min(self.default_max_tokens, room)
         return dataclasses.replace(request.params, max_tokens=max_tokens)
 
 
