@@ -42,13 +42,18 @@ class CallAssembly:
     def __init__(self) -> None:
         self._calls: dict[int, _Call] = {}
 
-    def add(self, deltas: Iterable[CallDelta]) -> None:
+    def add(self, deltas: Iterable[CallDelta]) -> list[ParsedCall]:
+        """Take the deltas; returns the calls they complete (for readers of whole calls)."""
+        completed = []
         for delta in deltas:
             call = self._calls.setdefault(delta.index, _Call())
             if delta.id is not None:
                 call.id, call.name = delta.id, delta.name or ""
             call.parts.append(delta.arguments)
-            call.done = call.done or delta.done
+            if delta.done and not call.done:
+                call.done = True
+                completed.append(ParsedCall(call.id, call.name, "".join(call.parts)))
+        return completed
 
     def complete(self) -> list[ParsedCall]:
         """The whole calls, in order; cut or broken ones are left out."""

@@ -27,12 +27,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from serve_app.dialects.chat.request import FunctionDefinition, NamedToolChoice, Tool
-from serve_app.output.call_deltas import CallDelta, merged
+from serve_app.output.call_deltas import CallDelta, ParsedCall, merged
 from serve_app.output.call_reader import CallReader, call_from, new_call_id
 from serve_app.output.tags import held_prefix
 from workers.contract.requests import ToolPrompt
 
 _WS = r"/[ \t\n]*/"
+
+
+__all__ = ["PARSERS", "CallDelta", "HermesToolParser", "Llama3JsonToolParser", "ParsedCall", "ToolOutput",
+           "ToolParser", "forced_functions"]
 
 
 @dataclass

@@ -10,8 +10,10 @@ import pytest
 from openai.types.chat import ChatCompletionChunk as SDKChunk
 
 from serve_app.dialects.chat.output import ChunkStreamer, CompletionAccumulator
-from serve_app.dialects.chat.request import ChatCompletionRequest
+from serve_app.dialects.chat.request import ChatCompletionRequest, Tool
+from serve_app.output.call_deltas import CallAssembly
 from serve_app.output.choice_parser import OutputParsing
+from serve_app.output.tool_parsers import HermesToolParser
 from tests.support.sse_events import sse_payloads
 from workers.contract.chunks import GenerationChunk
 from workers.contract.model_config import ModelConfig
@@ -114,3 +116,13 @@ def test_the_role_goes_with_the_first_delta_even_when_that_is_a_call():
     deltas = [e["choices"][0]["delta"] for e in events]
     assert deltas[0]["role"] == "assistant" and "tool_calls" in deltas[0]
     assert all("role" not in d for d in deltas[1:])
+
+
+def test_readers_of_whole_calls_get_each_once_it_completes():
+    parser, assembly, completed = HermesToolParser([Tool.model_validate(ADD)]), CallAssembly(), []
+    for i in range(0, len(TWO_CALLS), 5):
+        completed.append([(c.name, c.arguments) for c in assembly.add(parser.push(TWO_CALLS[i:i + 5]).calls)])
+    completed.append([(c.name, c.arguments) for c in assembly.add(parser.finish().calls)])
+    done = [c for batch in completed for c in batch]
+    assert done == [("add", '{"a": 1, "note": "x}<y"}'), ("add", '{"b": [2, {"c": 3}]}')]
+    assert not completed[0] and not completed[-1]  # each came with the piece that closed it

@@ -193,9 +193,7 @@ def test_arguments_stream_as_written_before_the_call_closes():
                    [(0, None, '"}', False)], [], [(0, None, "", True)]]
 
 
-@pytest.mark.parametrize("choice", ["required", NAMED_ADD_CHOICE := NamedToolChoice.model_validate(
-    {"type": "function", "function": {"name": "add"}})])
-def test_forced_llama_calls_stream_in_every_split(choice):
+def test_forced_llama_calls_stream_in_every_split():
     text = ('<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": {"c": "}; {"}}}; '
             '{"name": "get_delivery_date", "parameters": {"order_id": "7"}}')
     whole = [("add", {"a": 1, "b": {"c": "}; {"}}), ("get_delivery_date", {"order_id": "7"})]

@@ -8,7 +8,12 @@ import asyncio
 import pytest
 from pydantic import ValidationError
 
-from tests.support.engines import chat_request, make_engine, template_ids, with_async_engine
+from tests.support.engines import (
+    chat_request,
+    make_engine,
+    template_ids,
+    with_async_engine,
+)
 from workers.contract.model_config import DEFAULT_MAX_TOKENS, ModelConfig
 from workers.serving.request_processor import RequestProcessor
 
