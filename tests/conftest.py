@@ -18,7 +18,7 @@ from tests.support.tiny_models import (
 
 # Registering serve_fixtures here makes each session fixture exist once (importing them
 # into two test modules would create two session fixtures and start Serve twice).
-pytest_plugins = ["tests.support.serve_fixtures", "tests.support.node_client"]
+pytest_plugins = ["tests.support.serve_fixtures", "tests.support.node_client", "tests.support.tools_app"]
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -9,17 +9,13 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from transformers import AutoTokenizer
 
 from serve_app.dialects.chat.request import ChatCompletionRequest
 from serve_app.dialects.chat.translate import to_generate_request
 from serve_app.http.errors import APIError
 from serve_app.ingress import parse_request
-from tests.support.serve_fixtures import tiny_app_args, wait_ready
-from tests.support.tiny_models import write_tiny_model_dir
-from tests.unit.text.test_tool_prompts import THINK_TEMPLATE
+from tests.support.tools_app import THINKER, TOOLS_MODEL
 
-TOOLS_MODEL, THINKER = "tiny-tools", "tiny-thinker"
 SHIP = {"type": "function", "function": {
     "name": "ship", "description": "Ship an order.",
     "parameters": {"type": "object",
@@ -77,31 +73,7 @@ def test_tool_fields_accepted_and_translated():
     assert none.tools is None and none.params.guided is None
 
 
-# --------------------------------------------------------------------------- over HTTP
-
-@pytest.fixture(scope="module")
-def tools_app(serve_instance, tmp_path_factory):
-    """Two tiny random models with a window for chatserve's tool section: one plain (hermes
-    tool calls), one 'thinking' model whose template opens <think> (deepseek_r1)."""
-    from ray import serve
-
-    from serve_app.app import build_app
-
-    plain = write_tiny_model_dir(tmp_path_factory.mktemp("tools_model"), max_position_embeddings=2048)
-    thinker = write_tiny_model_dir(tmp_path_factory.mktemp("thinker_model"))
-    tokenizer = AutoTokenizer.from_pretrained(thinker)
-    tokenizer.chat_template = THINK_TEMPLATE
-    tokenizer.save_pretrained(thinker)
-    args = tiny_app_args(plain, max_model_len=2048, kv_cache_memory_gib=0.01)
-    base = args["models"][0]
-    args["models"] = [dict(base, id=TOOLS_MODEL),
-                      dict(base, id=THINKER, source=str(thinker), reasoning_parser="deepseek_r1",
-                           engine=dict(base["engine"], max_model_len=256))]
-    serve.run(build_app(args), name="tools", route_prefix="/tools", blocking=False)
-    url = serve_instance.url("/tools")
-    wait_ready(url, timeout=180)
-    return url
-
+# ------------------------------------------- over HTTP (tools_app: tests/support/tools_app.py)
 
 def test_forced_call_has_the_documented_shape(tools_app):
     body = {"model": TOOLS_MODEL, "messages": USER, "tools": [SHIP], "tool_choice": NAMED_SHIP,

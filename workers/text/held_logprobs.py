@@ -48,6 +48,8 @@ class HeldLogprobs:
         return out
 
     def flush(self) -> list[TokenLogprob]:
-        """The output ended: every entry left."""
-        out, self._items = [item.logprob for item in self._items], []
+        """The output ended: every entry left with text. Tokens still without text (the
+        first bytes of a character the output never finished) have none: the detokenizer
+        drops their bytes, so they are not in the content."""
+        out, self._items = [item.logprob for item in self._items if item.end > item.start], []
         return out

@@ -97,8 +97,9 @@ class _ChoiceState:
         message = AssistantMessage(role="assistant", content=content)
         if parsing.reasoning_parser is not None:
             message.reasoning_content = "".join(self.reasoning) or None
-        if self.calls:
+        if self.calls or parsing.forced_calls:  # an answer of calls: blank content is null
             message.content = content if content.strip() else None
+        if self.calls:
             message.tool_calls = [tool_call(c) for c in self.calls.complete()]
         return message
 
