@@ -156,7 +156,10 @@ def test_seed_001_single_turn_streamed(seed_app):
     chunks = [json.loads(line[6:]) for line in lines[:-1]]
     assert len({c["id"] for c in chunks}) == 1
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
-    assert all(c["choices"][0]["delta"]["role"] == "assistant" for c in chunks)
+    # The role once, in the first delta, as OpenAI (seed 000's MindIE stream repeats it; so
+    # does chatserve with server.full_text_enabled, below).
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:])
     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
 
 
@@ -223,15 +226,15 @@ def test_seed_001_tool_samples(seed_app, sample):
 def test_seed_001_tool_sample_1_with_a_forced_call(seed_app):
     """Sample 1 with `tool_choice` naming the function: the grammar forces the call. Its
     `order_id` is an unbounded string, which the random model may not close within the
-    cap: then the answer is cut (`length`) inside the forced call, returned as content."""
+    cap: then the answer is cut (`length`) inside the forced call, which is neither content
+    nor a call."""
     body = dict(SEED_001_TOOLS_1, max_tokens=120, seed=0,
                 tool_choice={"type": "function", "function": {"name": "get_delivery_date"}})
     resp = post(seed_app, "/v1/chat/completions", body)
     assert resp.status_code == 200, resp.text
     choice = resp.json()["choices"][0]
     if choice["finish_reason"] == "length":
-        assert choice["message"]["content"].startswith(
-            '<tool_call>\n{"name": "get_delivery_date", "arguments": {"order_id": "')
+        assert choice["message"]["content"] is None and "tool_calls" not in choice["message"]
         return
     assert choice["finish_reason"] == "tool_calls"
     [call] = choice["message"]["tool_calls"]

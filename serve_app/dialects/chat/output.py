@@ -180,7 +180,8 @@ class ChunkStreamer:
     With parsers in play (tools, reasoning), a chunk's text becomes `reasoning_content`,
     `content` and tool-call deltas: a call's first delta has its index, id, type, name and
     the arguments so far; later ones append to its arguments as the model writes them
-    (serve_app/output/tool_parsers.py). `role` is in each choice's first delta only."""
+    (serve_app/output/tool_parsers.py). `role` is in each choice's first delta only (with
+    `full_text_enabled`, MindIE's shape, in every one)."""
 
     def __init__(self, request_id: str, req: ChatCompletionRequest, full_text_enabled: bool,
                  parsing: OutputParsing = OutputParsing()) -> None:
@@ -259,7 +260,8 @@ class ChunkStreamer:
         if parsed.reasoning:
             delta.reasoning_content = parsed.reasoning
         deltas = ([delta] if has_news else []) + calls
-        if state.take_role():
+        # OpenAI's stream names the role once; MindIE's (fullTextEnabled, seed 000) in every delta.
+        if state.take_role() or self.full_text_enabled:
             deltas[0].role = "assistant"
         events = [self._event(chunk, d) for d in deltas]
         self._decorate_first(events[0], chunk)
