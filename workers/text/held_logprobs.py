@@ -48,8 +48,8 @@ class HeldLogprobs:
         return out
 
     def flush(self) -> list[TokenLogprob]:
-        """The output ended: every entry left with text. Tokens still without text (the
-        first bytes of a character the output never finished) have none: the detokenizer
-        drops their bytes, so they are not in the content."""
-        out, self._items = [item.logprob for item in self._items if item.end > item.start], []
+        """The output ended: every entry left, also of tokens still without text (the first
+        bytes of a character the output never finished: sampled output, whose bytes the
+        entry's `bytes` carry though the text cannot show them)."""
+        out, self._items = [item.logprob for item in self._items], []
         return out
