@@ -5,8 +5,9 @@ A chunk's text goes through the chat path's choice parser (reasoning, then tool 
 what it yields opens, extends and closes output items in the order the model wrote them:
 a change of kind closes the open item, so the streamed items and the whole response are
 the same list. Whitespace-only text (between or before calls) opens no message; it is
-kept only when the answer has no calls. A function call is emitted once complete (as the
-chat stream does), its arguments in one delta.
+kept only when the answer has no calls. A function call is emitted once complete (the
+parser's pieces put together), its arguments in one delta; a call the output cut off is
+neither an item nor text.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from serve_app.dialects.responses.translate import WORKER_PARAM_NAMES
 from serve_app.http.errors import APIError
 from serve_app.http.sse import sse_json
 from serve_app.output.choice_parser import ChoiceParser, OutputParsing, ParsedDelta
-from serve_app.output.tool_parsers import ParsedCall
+from serve_app.output.call_deltas import CallAssembly, ParsedCall
 from workers.contract.chunks import GenerationChunk
 
 Event = dict[str, Any]  # one typed event, without its sequence_number
@@ -76,6 +77,7 @@ class OutputItems:
         self._open: _OpenText | None = None
         self._spaces = ""  # whitespace-only content that has opened no message yet
         self._calls = 0
+        self._assembly = CallAssembly()  # the parser streams calls in pieces: whole ones become items
 
     def add(self, parsed: ParsedDelta) -> list[Event]:
         events: list[Event] = []
@@ -83,7 +85,7 @@ class OutputItems:
             events += self._text("reasoning", parsed.reasoning)
         if parsed.content:
             events += self._content(parsed.content)
-        for call in parsed.calls:
+        for call in self._assembly.add(parsed.calls):
             events += self._call(call)
         return events
 
