@@ -5,9 +5,10 @@ A chunk's text goes through the chat path's choice parser (reasoning, then tool 
 what it yields opens, extends and closes output items in the order the model wrote them:
 a change of kind closes the open item, so the streamed items and the whole response are
 the same list. Whitespace-only text (between or before calls) opens no message; it is
-kept only when the answer has no calls. A function call is emitted once complete (the
-parser's pieces put together), its arguments in one delta; a call the output cut off is
-neither an item nor text.
+kept only when the answer has no calls. A function call item opens once its function is
+known and its arguments stream as the model writes them (the parser's pieces); a call the
+output cut off is neither text nor part of the response's output: in a stream, where it
+was already announced, its item is closed `incomplete`.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from serve_app.dialects.responses.translate import WORKER_PARAM_NAMES
 from serve_app.http.errors import APIError
 from serve_app.http.sse import sse_json
 from serve_app.output.choice_parser import ChoiceParser, OutputParsing, ParsedDelta
-from serve_app.output.call_deltas import CallAssembly, ParsedCall
+from serve_app.output.call_deltas import CallDelta
 from workers.contract.chunks import GenerationChunk
 
 Event = dict[str, Any]  # one typed event, without its sequence_number
@@ -69,6 +70,18 @@ class _OpenText:
         return ReasoningTextPart(text=text) if self.kind == "reasoning" else OutputTextPart(text=text)
 
 
+@dataclass
+class _OpenCall:
+    """The function call being written: announced, its arguments streaming."""
+
+    item: FunctionCallOutput
+    output_index: int
+    parts: list[str] = field(default_factory=list)
+
+    def where(self) -> dict[str, Any]:
+        return {"item_id": self.item.id, "output_index": self.output_index}
+
+
 class OutputItems:
     """The output items of one answer, and the events each piece of parsed output makes."""
 
@@ -77,7 +90,7 @@ class OutputItems:
         self._open: _OpenText | None = None
         self._spaces = ""  # whitespace-only content that has opened no message yet
         self._calls = 0
-        self._assembly = CallAssembly()  # the parser streams calls in pieces: whole ones become items
+        self._call: _OpenCall | None = None  # calls are written one after another: one is open at most
 
     def add(self, parsed: ParsedDelta) -> list[Event]:
         events: list[Event] = []
@@ -85,14 +98,14 @@ class OutputItems:
             events += self._text("reasoning", parsed.reasoning)
         if parsed.content:
             events += self._content(parsed.content)
-        for call in self._assembly.add(parsed.calls):
-            events += self._call(call)
+        for piece in parsed.calls:
+            events += self._call_piece(piece)
         return events
 
     def finish(self, status: str) -> list[Event]:
         """The last item closed with `status`; an answer that wrote nothing visible (or only
         whitespace, and no calls) still has a message."""
-        events: list[Event] = []
+        events = self._drop_cut_call()
         if self._calls == 0 and (self._spaces or not self.done and self._open is None):
             events += self._content("", force=True)
         return events + self._close(status)
@@ -146,24 +159,43 @@ class OutputItems:
             {"type": "response.output_item.done", "output_index": item.output_index, "item": done.dump()},
         ]
 
-    def _call(self, call: ParsedCall) -> list[Event]:
-        self._spaces = ""  # whitespace around calls is not an answer
-        events = self._close("completed")
-        self._calls += 1
-        index = len(self.done)
-        item = FunctionCallOutput(id=_item_id("fc"), call_id=call.id, name=call.name, arguments="",
-                                  status="in_progress")
-        added = item.dump()
-        item.arguments, item.status = call.arguments, "completed"
-        self.done.append(item)
-        where = {"item_id": item.id, "output_index": index}
-        return events + [
-            {"type": "response.output_item.added", "output_index": index, "item": added},
-            {"type": "response.function_call_arguments.delta", **where, "delta": call.arguments},
-            {"type": "response.function_call_arguments.done", **where, "name": call.name,
-             "arguments": call.arguments},
-            {"type": "response.output_item.done", "output_index": index, "item": item.dump()},
-        ]
+    def _call_piece(self, piece: CallDelta) -> list[Event]:
+        events: list[Event] = []
+        if piece.id is not None:  # a new call: its function is known
+            self._spaces = ""  # whitespace around calls is not an answer
+            events += self._close("completed") + self._drop_cut_call()
+            item = FunctionCallOutput(id=_item_id("fc"), call_id=piece.id, name=piece.name or "", arguments="",
+                                      status="in_progress")
+            self._call = _OpenCall(item, len(self.done))
+            events.append({"type": "response.output_item.added", "output_index": len(self.done),
+                           "item": item.dump()})
+        call = self._call
+        if call is None:
+            return events
+        if piece.arguments:
+            call.parts.append(piece.arguments)
+            events.append({"type": "response.function_call_arguments.delta", **call.where(),
+                           "delta": piece.arguments})
+        if piece.done:
+            events += self._finish_call(call)
+        return events
+
+    def _finish_call(self, call: _OpenCall) -> list[Event]:
+        self._call, self._calls = None, self._calls + 1
+        call.item.arguments, call.item.status = "".join(call.parts), "completed"
+        self.done.append(call.item)
+        return [{"type": "response.function_call_arguments.done", **call.where(), "name": call.item.name,
+                 "arguments": call.item.arguments},
+                {"type": "response.output_item.done", "output_index": call.output_index, "item": call.item.dump()}]
+
+    def _drop_cut_call(self) -> list[Event]:
+        """A call the output ended inside is not part of the answer; a stream that announced
+        it closes its item as incomplete."""
+        call, self._call = self._call, None
+        if call is None:
+            return []
+        call.item.arguments, call.item.status = "".join(call.parts), "incomplete"
+        return [{"type": "response.output_item.done", "output_index": call.output_index, "item": call.item.dump()}]
 
 
 class ResponseBuilder:

@@ -189,6 +189,29 @@ def test_stream_events_are_typed_ordered_and_assemble_to_the_whole_response():
     assert text == final["output"][1]["content"][0]["text"] == "\nSure."
     arguments = [e["arguments"] for name, e in events if name == "response.function_call_arguments.done"]
     assert arguments == ['{"a": 1}', '{"a": 2}']
+    # The arguments stream as written: several pieces per call, joining to the whole.
+    first_call = final["output"][2]["id"]
+    pieces = [e["delta"] for name, e in events
+              if name == "response.function_call_arguments.delta" and e["item_id"] == first_call]
+    assert len(pieces) > 1 and "".join(pieces) == '{"a": 1}'
+
+
+def test_a_call_cut_by_the_cap_is_not_output_and_its_streamed_item_closes_incomplete():
+    cut = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>\n<tool_call>{"name": "add", "arguments": {"a'
+    model = ModelConfig(id="m")  # hermes calls
+    req = request(tools=[ADD], tool_choice="required", max_output_tokens=40)
+    body = whole(req, chunks_of(cut, 4, reason="length"), model)
+    assert body["status"] == "incomplete"
+    assert [(i["type"], i["arguments"]) for i in body["output"] if i["type"] == "function_call"] == \
+        [("function_call", '{"a": 1}')]
+    assert "<tool_call>" not in json.dumps(body)
+    events = streamed(request(tools=[ADD], tool_choice="required", stream=True), chunks_of(cut, 4, reason="length"),
+                      model)
+    done = [e["item"] for name, e in events if name == "response.output_item.done" and e["item"]["type"] == "function_call"]
+    assert [(i["status"], i["arguments"]) for i in done] == [("completed", '{"a": 1}'), ("incomplete", '{"a')]
+    assert [i["type"] for i in events[-1][1]["response"]["output"]] == [i["type"] for i in body["output"]]
+    for _, event in events:
+        EVENTS.validate_python(event)
 
 
 def test_cut_answer_is_incomplete_and_whitespace_only_text_is_kept_without_calls():
