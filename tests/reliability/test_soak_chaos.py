@@ -19,6 +19,7 @@ from tests.support.tiny_models import write_tiny_model_dir
 from tools.reliability.replicas import with_worker_replicas
 from tools.reliability.soak import (
     COMPLETED,
+    FAILED,
     LOST,
     Kill,
     Outcome,
@@ -67,6 +68,7 @@ def test_a_short_chaos_soak_loses_nothing_and_resumes_the_killed_replicas_reques
     assert result.resumes is not None and result.resumes >= 1  # the killed replica had requests in flight
     assert result.streams_timed > 0 and result.longest_pause_s > 0
     assert result.pause_p99_s <= result.longest_pause_s
+    assert result.longest_completed_pause_s == result.longest_pause_s  # every stream completed
 
 
 # ------------------------------------------------------------------ without Ray
@@ -144,11 +146,14 @@ def test_pauses_are_the_longest_over_the_streams_and_the_p99_of_each_ones_longes
     def stream(started: float, longest: float | None, began: float = 0.0) -> Outcome:
         return Outcome("chat_stream", COMPLETED, 200, started=started, longest_pause_s=longest, pause_began=began)
 
+    failed = Outcome("chat_stream", FAILED, 200, started=104.0, longest_pause_s=60.0, pause_began=110.0)
     outcomes = [stream(100.0, 0.2, 100.0), stream(101.0, 4.0, 160.5), stream(102.0, 0.3, 102.1),
                 Outcome("chat", COMPLETED, 200, started=103.0)]  # not a stream: not timed
     paused = pauses(outcomes)
     assert (paused.streams, paused.longest_s, paused.longest_at_s) == (3, 4.0, 60.5)
-    assert paused.p99_s == 4.0
+    assert paused.p99_s == 4.0 and paused.longest_completed_s == 4.0
+    with_failed = pauses([*outcomes, failed])  # a stream that waited 60 s for its error event
+    assert (with_failed.longest_s, with_failed.longest_at_s, with_failed.longest_completed_s) == (60.0, 10.0, 4.0)
     assert pauses([Outcome("chat", COMPLETED, 200)]).longest_s is None
 
 

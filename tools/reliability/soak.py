@@ -480,6 +480,7 @@ class SoakReport:
     streams_timed: int  # streaming requests that got a 200, whose pauses are below
     longest_pause_s: float | None  # the longest gap any of them waited (PauseClock)
     longest_pause_at_s: float | None  # when that gap began, seconds after the load began
+    longest_completed_pause_s: float | None  # the same over completed streams: a failed one's wait is not a resume's
     pause_p99_s: float | None  # p99 over the streams of each one's longest gap
 
     def summary(self) -> str:
@@ -489,7 +490,8 @@ class SoakReport:
                  f"latency p50 {self.latency_p50_s:.2f} s p99 {self.latency_p99_s:.2f} s, tool calls {self.tool_calls}"]
         lines.append(f"  longest pause a streaming client saw {self.longest_pause_s} s (began at "
                      f"{self.longest_pause_at_s} s), p99 of each stream's longest {self.pause_p99_s} s, "
-                     f"over {self.streams_timed} streams; resumes counted by the ingress {self.resumes}")
+                     f"over {self.streams_timed} streams; longest in a completed stream "
+                     f"{self.longest_completed_pause_s} s; resumes counted by the ingress {self.resumes}")
         if self.chaos is not None:
             kills = ", ".join(f"at {k['at_s']} s replaced in {k['replaced_s']} s" for k in self.chaos["kills"])
             lines.append(f"  chaos: {self.kills} worker replica kills of {self.chaos['worker_replicas']}, "
@@ -564,17 +566,20 @@ class Pauses:
     longest_s: float | None
     longest_at_s: float | None  # seconds after the first request began
     p99_s: float | None
+    longest_completed_s: float | None  # over the completed streams only
 
 
 def pauses(outcomes: list[Outcome]) -> Pauses:
     """The longest pause over all timed streams, when it began, and the p99 of each stream's longest."""
     timed = [o for o in outcomes if o.longest_pause_s is not None]
     if not timed:
-        return Pauses(0, None, None, None)
+        return Pauses(0, None, None, None, None)
     worst = max(timed, key=lambda o: o.longest_pause_s)
     load_start = min(o.started for o in outcomes)
+    completed = [o.longest_pause_s for o in timed if o.result == COMPLETED]
     return Pauses(len(timed), round(worst.longest_pause_s, 2), round(worst.pause_began - load_start, 1),
-                  round(_quantile(sorted(o.longest_pause_s for o in timed), 0.99), 2))
+                  round(_quantile(sorted(o.longest_pause_s for o in timed), 0.99), 2),
+                  round(max(completed), 2) if completed else None)
 
 
 def report(config: SoakConfig, outcomes: list[Outcome], wall: float, before: WorkerSnapshot | None,
@@ -605,6 +610,7 @@ def report(config: SoakConfig, outcomes: list[Outcome], wall: float, before: Wor
         back_to_baseline=back, chaos=asdict(chaos) if chaos else None, kills=len(chaos.kills) if chaos else 0,
         resumes=resumes, streams_timed=paused.streams, longest_pause_s=paused.longest_s,
         longest_pause_at_s=paused.longest_at_s, pause_p99_s=paused.p99_s,
+        longest_completed_pause_s=paused.longest_completed_s,
     )
 
 
