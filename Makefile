@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-gpu fuzz bench bench-cpu bench-transport bench-prefix bench-prefix-routing bench-fairness bench-lora bench-ttft-overhead bench-gpu soak faults clean
+.PHONY: install serve test test-gpu fuzz bench bench-cpu bench-transport bench-prefix bench-prefix-routing bench-fairness bench-lora bench-ttft-overhead bench-gpu soak soak-chaos faults clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -92,6 +92,16 @@ bench-gpu: $(STAMP)
 # its own Ray + Serve on loopback and writes JSON under bench-results/.
 soak: $(STAMP)
 	mkdir -p bench-results && $(BIN)/python -m tools.reliability.soak --config configs/default.yaml --duration 600 --concurrency 32 --max-tokens 32 --json bench-results/soak.json
+
+# The soak with chaos (issue 21, "zero-drop streams"): the same 10 minutes at concurrency 32, with
+# two worker replicas and one killed every 60 s (`ray.kill`, no restart; a kill also waits until Serve
+# has replaced the previous one). Each killed replica's requests must resume on the other: the target is
+# 0 failed and 0 lost; the report adds the kills, the resumes the ingress counted and the longest pause
+# a streaming client saw. --worker-replicas gives each replica one torch thread and half a CPU, so two
+# replicas do not oversubscribe a 2-core machine (nor ask Ray for more CPUs than it has).
+soak-chaos: $(STAMP)
+	mkdir -p bench-results && $(BIN)/python -m tools.reliability.soak --config configs/default.yaml --duration 600 --concurrency 32 --max-tokens 32 \
+		--worker-replicas 2 --kill-worker-every 60 --json bench-results/soak-chaos.json
 
 faults: $(STAMP)
 	mkdir -p bench-results && $(BIN)/python -m tools.reliability.faults --config configs/default.yaml --json bench-results/faults.json

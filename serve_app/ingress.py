@@ -136,6 +136,7 @@ class ChatIngress(HandleAPI):
         """Prometheus text format; worker gauges are read now, from one replica per model."""
         self.auth.check(request.headers.get("authorization"))
         await self.metrics.refresh_worker_gauges({m: h.stats.remote() for m, h in self.workers.items()})
+        self.metrics.count_resumes({m: t.resumes for m, t in self.transports.items()})
         return Response(self.metrics.exposition(), headers={"content-type": CONTENT_TYPE})
 
     @api.get("/v1/models")

@@ -97,6 +97,11 @@ class IngressMetrics:
         self.prefix_hit = Gauge("chatserve_prefix_cache_hit_ratio",
                                 "Prompt tokens found in the prefix cache / prompt tokens looked up, since the "
                                 "worker replica started", ["model"], registry=r)
+        self.resumed = Counter("chatserve_requests_resumed",
+                               "Resumes of requests on another worker replica by this ingress replica (one per "
+                               "attempt: a request that lost two replicas, or had to try twice, counts twice)",
+                               ["model"], registry=r)
+        self._resumes_seen: dict[str, int] = {}
 
     # -- requests -------------------------------------------------------------------
 
@@ -125,6 +130,16 @@ class IngressMetrics:
             self.completion_tokens.labels(model).inc(rec.completion_tokens)
 
     # -- scrape ---------------------------------------------------------------------
+
+    def count_resumes(self, resumes: Mapping[str, int]) -> None:
+        """Bring the resumed counter up to each model's transport count (`WorkerChannels.resumes`,
+        read at scrape time: the transport stays free of metrics code and a resume costs nothing more)."""
+        for model, total in resumes.items():
+            counter = self.resumed.labels(model)  # the series exists at 0 before any resume
+            added = total - self._resumes_seen.get(model, 0)
+            if added > 0:
+                counter.inc(added)
+                self._resumes_seen[model] = total
 
     async def refresh_worker_gauges(self, stats_of: Mapping[str, object]) -> None:
         """Set the gauges from each model's `stats` (awaitables keyed by model id, e.g.

@@ -54,6 +54,7 @@ def test_short_soak_loses_nothing_and_returns_to_baseline(soak_app):
     assert result.before["kv_blocks_used"] == 0 and result.before["running"] == 0
     assert result.back_to_baseline, (result.before, result.after)
     assert result.after["kv_blocks_used"] == 0
+    assert result.kills == 0 and result.resumes == 0  # read from the ingress's /metrics: no replica was lost
 
 
 # ------------------------------------------------------------------ the classifier itself

@@ -220,3 +220,20 @@ def test_kv_usage_gauge():
     assert 'chatserve_kv_cache_usage_ratio{model="tiny-llama"} 0.25' in text
     assert 'chatserve_prefix_cache_hit_ratio{model="tiny-llama"} 0.25' in text
     assert 'chatserve_waiting_sequences{model="tiny-llama"} 1.0' in text
+
+
+def test_resumed_counter_follows_the_transport_count():
+    metrics = IngressMetrics([TINY_MODEL_ID])
+
+    def resumed() -> list[float]:
+        families = text_string_to_metric_families(metrics.exposition().decode())
+        return [s.value for f in families for s in f.samples if s.name == "chatserve_requests_resumed_total"]
+
+    assert resumed() == []
+    metrics.count_resumes({TINY_MODEL_ID: 0})
+    assert resumed() == [0]  # a reader can tell "none yet" from a server without the counter
+    metrics.count_resumes({TINY_MODEL_ID: 3})
+    metrics.count_resumes({TINY_MODEL_ID: 3})  # a second scrape with no new resume adds nothing
+    assert resumed() == [3]
+    metrics.count_resumes({TINY_MODEL_ID: 5})
+    assert resumed() == [5]

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import copy
 import json
 import time
 from collections.abc import Callable
@@ -33,6 +32,13 @@ from pathlib import Path
 
 import httpx
 
+from tools.reliability.replicas import (
+    kill_replica,
+    running_replicas,
+    wait_all_running,
+    wait_replaced,
+    with_worker_replicas,
+)
 from tools.reliability.soak import COMPLETED, FAILED, LOST, Outcome, send
 
 INGRESS = "ChatIngress"
@@ -68,47 +74,6 @@ class FaultReport:
                 f"({self.affected_failed} failed clearly, {self.affected_lost} lost); "
                 f"{self.failed_after_kill} of {self.sent_after_kill} sent after the kill failed; "
                 f"recovery {self.recovery_s} s, replica replaced in {self.replaced_s} s; {self.errors}")
-
-
-def replica_actor_names(app_name: str, deployment: str) -> list[str]:
-    import ray
-
-    prefix = f"SERVE_REPLICA::{app_name}#{deployment}#"
-    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix))
-
-
-def kill_replica(app_name: str, deployment: str) -> str:
-    """Kill one replica of `deployment` with no restart; returns its actor name."""
-    import ray
-
-    names = replica_actor_names(app_name, deployment)
-    if not names:
-        raise RuntimeError(f"no replica of {app_name}#{deployment}")
-    ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
-    return names[0]
-
-
-def running_replicas(app_name: str, deployment: str) -> tuple[int, int]:
-    """(RUNNING replicas, replicas in any state) of a deployment, as Serve reports them."""
-    from ray import serve
-
-    app = serve.status().applications.get(app_name)
-    states = app.deployments[deployment].replica_states if app and deployment in app.deployments else {}
-    return states.get("RUNNING", 0), sum(states.values())
-
-
-def wait_replaced(app_name: str, deployment: str, killed: str, replicas: int, since: float,
-                  timeout_s: float) -> float | None:
-    """Seconds from `since` until the deployment has `replicas` RUNNING replicas again, none
-    of them the `killed` actor (Serve may still count it RUNNING before it notices)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        names = replica_actor_names(app_name, deployment)
-        if killed not in names and len(names) == replicas and \
-                running_replicas(app_name, deployment) == (replicas, replicas):
-            return round(time.monotonic() - since, 1)
-        time.sleep(0.25)
-    return None
 
 
 async def load_with_kill(load: FaultLoad, kill: Callable[[], None]) -> tuple[list[Outcome], list[Outcome], float]:
@@ -190,27 +155,14 @@ def run_fault(fault: str, app_name: str, deployment: str, load: FaultLoad) -> Fa
     return fault_report(fault, replicas, outcomes, probes, killed_at, replaced[0])
 
 
-def wait_all_running(app_name: str, deployment: str, replicas: int, timeout_s: float) -> None:
-    """Before the load: every replica up (a fresh app answers while its second replica starts)."""
-    deadline = time.monotonic() + timeout_s
-    while running_replicas(app_name, deployment) != (replicas, replicas):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{deployment}: {running_replicas(app_name, deployment)} replicas running")
-        time.sleep(0.5)
-
-
 # --------------------------------------------------------------------------- command line
 
 
 def fault_app_args(args: dict, worker_replicas: int, ingress_replicas: int) -> dict:
-    """The app's args with `worker_replicas` replicas of the first model, each given one
-    torch thread and half a CPU so both fit a small machine, and `ingress_replicas`."""
-    args = copy.deepcopy(args)
+    """The app's args with `worker_replicas` replicas of the first model (one torch thread
+    and half a CPU each: tools/reliability/replicas.py) and `ingress_replicas`."""
+    args = with_worker_replicas(args, worker_replicas)
     args.setdefault("ingress", {})["num_replicas"] = ingress_replicas
-    model = args["models"][0]
-    model.setdefault("deployment", {})["num_replicas"] = worker_replicas
-    model["deployment"].setdefault("ray_actor_options", {})["num_cpus"] = 0.5
-    model.setdefault("engine", {})["torch_threads"] = 1
     return args
 
 

@@ -14,6 +14,16 @@ running / waiting sequences, KV blocks in use and the replica's RSS (its `stats`
 in the prefix cache but sits in the free pool (workers/engine/block_manager.py), so "in use"
 means referenced by a live sequence: the baseline of an idle worker is 0 in use, and a
 soak that ends above it has leaked a sequence.
+
+Chaos (`--worker-replicas 2 --kill-worker-every 60`): beside the load, one worker replica
+is killed every S seconds (`ray.kill`, no restart: tools/reliability/replicas.py); the
+next kill comes S seconds after the last one or once Serve has all the deployment's
+replicas RUNNING again, whichever is later, so a kill never lands on a deployment still
+short of a replica (the kills test resuming, not running with no replica at all). The
+report adds the kills, the resumes the ingress counted (`chatserve_requests_resumed_total`
+of its `/metrics`, read before and after the load: one ingress replica answers it, so with
+several this is that replica's share) and the longest pause a streaming client saw: the
+largest gap between its request's start, its SSE events and the stream's end.
 """
 
 from __future__ import annotations
@@ -31,10 +41,19 @@ from pathlib import Path
 
 import httpx
 
+from tools.reliability.replicas import (
+    kill_replica,
+    running_replicas,
+    wait_all_running,
+    wait_replaced,
+    with_worker_replicas,
+    worker_replicas_of,
+)
 from tools.servers import wait_ready
 
 KINDS = ("chat_stream", "chat", "chat_n", "tool_call", "completion", "disconnect")
 COMPLETED, FAILED, LOST = "completed", "failed", "lost"
+RESUMED = "chatserve_requests_resumed_total"  # serve_app/http/metrics.py
 CHAT_FINISH = {"stop", "length", "tool_calls"}
 
 PROMPTS = (
@@ -75,6 +94,8 @@ class Outcome:
     latency_s: float = 0.0
     started: float = 0.0  # time.monotonic() at send
     tool_calls: int = 0
+    longest_pause_s: float | None = None  # streams only: PauseClock.longest
+    pause_began: float | None = None  # time.monotonic() when that pause began
 
 
 class Malformed(Exception):
@@ -192,6 +213,24 @@ class StreamState:
         return self.done and self.error is None and self.finished == set(range(self.n))
 
 
+@dataclass
+class PauseClock:
+    """The longest gap a streaming client waited: request start -> first event, event ->
+    event, last event -> the stream's end (a stream cut after a silence counts that silence)."""
+
+    last: float  # time.monotonic() of the request's start, then of each event
+    longest: float = 0.0
+    began: float = field(init=False)  # when the longest gap began
+
+    def __post_init__(self) -> None:
+        self.began = self.last
+
+    def tick(self, now: float) -> None:
+        if now - self.last > self.longest:
+            self.longest, self.began = now - self.last, self.last
+        self.last = now
+
+
 async def send(client: httpx.AsyncClient, base_url: str, kind: str, path: str, body: dict,
                disconnect_after: int) -> Outcome:
     """One request, classified. Timeouts are the client's (a hang is lost)."""
@@ -220,6 +259,17 @@ async def send(client: httpx.AsyncClient, base_url: str, kind: str, path: str, b
 
 
 async def _stream(client: httpx.AsyncClient, url: str, body: dict, outcome: Outcome, disconnect_after: int) -> None:
+    clock = PauseClock(outcome.started)
+    try:
+        await _read_stream(client, url, body, outcome, disconnect_after, clock)
+    finally:  # also when the stream broke: the silence before it counts
+        if outcome.status == 200:
+            clock.tick(time.monotonic())
+            outcome.longest_pause_s, outcome.pause_began = clock.longest, clock.began
+
+
+async def _read_stream(client: httpx.AsyncClient, url: str, body: dict, outcome: Outcome, disconnect_after: int,
+                       clock: PauseClock) -> None:
     async with client.stream("POST", url, json=body) as resp:
         outcome.status = resp.status_code
         if resp.status_code != 200:
@@ -227,6 +277,8 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, outcome: Outc
             return
         state = StreamState(body.get("n", 1))
         async for line in resp.aiter_lines():
+            if line:  # the blank line after each event arrives with it
+                clock.tick(time.monotonic())
             state.feed(line)
             if disconnect_after and state.chunks >= disconnect_after:
                 outcome.result, outcome.detail = COMPLETED, "disconnected"
@@ -306,6 +358,82 @@ async def settled(probe: ServeProbe, baseline: WorkerSnapshot | None, timeout_s:
         await asyncio.sleep(0.5)
 
 
+# --------------------------------------------------------------------------- chaos
+
+
+@dataclass
+class Kill:
+    at_s: float  # seconds after the load began
+    replica: str  # the killed replica's actor name
+    replaced_s: float | None  # kill -> the deployment's replicas all RUNNING again (None: not in time)
+
+
+@dataclass
+class WorkerKiller:
+    """Kills one replica of a worker deployment every `every_s` seconds of the load (the
+    first after `first_s`, default `every_s`); each next kill also waits for the last one's
+    replacement (the module docstring says why)."""
+
+    app_name: str
+    deployment: str
+    every_s: float
+    first_s: float | None = None
+    replace_timeout_s: float = 180  # the default model's replica loads in ~20 s on 2 cores
+
+    def ready(self, timeout_s: float = 180) -> int:
+        """Wait until every replica is RUNNING; returns how many. Refuses fewer than two:
+        the killed replica's requests need another one to resume on."""
+        replicas = running_replicas(self.app_name, self.deployment)[1]
+        if replicas < 2:
+            raise ValueError(f"chaos needs at least 2 worker replicas, {self.deployment} has {replicas}: "
+                             "a kill would leave no replica to resume its requests on")
+        wait_all_running(self.app_name, self.deployment, replicas, timeout_s)
+        return replicas
+
+    async def run(self, duration_s: float, replicas: int) -> list[Kill]:
+        """The kills over `duration_s` from now; returns once the last one's replacement is up."""
+        start = time.monotonic()
+        next_at = start + (self.every_s if self.first_s is None else self.first_s)
+        kills: list[Kill] = []
+        while next_at < start + duration_s:
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+            killed_at = time.monotonic()
+            kills.append(await asyncio.to_thread(self._kill_one, start, replicas))
+            if kills[-1].replaced_s is None:
+                break  # never kill a deployment still short of a replica
+            next_at = max(killed_at + self.every_s, time.monotonic())
+        return kills
+
+    def _kill_one(self, start: float, replicas: int) -> Kill:
+        at = time.monotonic()
+        killed = kill_replica(self.app_name, self.deployment)
+        replaced = wait_replaced(self.app_name, self.deployment, killed, replicas, at, self.replace_timeout_s)
+        return Kill(round(at - start, 1), killed, replaced)
+
+
+def resumes_counted(url: str, model: str) -> int | None:
+    """The ingress's resume count for `model` (`GET /metrics`); None where it cannot be read
+    (a server older than the counter, or one that wants an API key)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        resp = httpx.get(url + "/metrics", timeout=30)
+    except httpx.HTTPError:
+        return None
+    if resp.status_code != 200:  # e.g. a server with API keys: the soak sends none
+        return None
+    values = [sample.value for family in text_string_to_metric_families(resp.text) for sample in family.samples
+              if sample.name == RESUMED and sample.labels.get("model") == model]
+    return int(sum(values)) if values else None
+
+
+@dataclass
+class ChaosResult:
+    every_s: float
+    worker_replicas: int
+    kills: list[Kill]
+
+
 # --------------------------------------------------------------------------- the loop
 
 
@@ -346,12 +474,28 @@ class SoakReport:
     after: dict | None
     settle_s: float | None
     back_to_baseline: bool | None
+    chaos: dict | None  # ChaosResult: the interval, the replicas, each kill
+    kills: int
+    resumes: int | None  # counted by the ingress during the load (None: not readable)
+    streams_timed: int  # streaming requests that got a 200, whose pauses are below
+    longest_pause_s: float | None  # the longest gap any of them waited (PauseClock)
+    longest_pause_at_s: float | None  # when that gap began, seconds after the load began
+    longest_completed_pause_s: float | None  # the same over completed streams: a failed one's wait is not a resume's
+    pause_p99_s: float | None  # p99 over the streams of each one's longest gap
 
     def summary(self) -> str:
         lines = [f"soak {self.wall_s:.0f} s at concurrency {self.config['concurrency']}: {self.requests} requests, "
                  f"{self.completed} completed, {self.failed} failed with a clear error, {self.lost} lost",
                  f"  {self.completion_tokens} completion tokens, {self.output_tok_s:.1f} tok/s, "
                  f"latency p50 {self.latency_p50_s:.2f} s p99 {self.latency_p99_s:.2f} s, tool calls {self.tool_calls}"]
+        lines.append(f"  longest pause a streaming client saw {self.longest_pause_s} s (began at "
+                     f"{self.longest_pause_at_s} s), p99 of each stream's longest {self.pause_p99_s} s, "
+                     f"over {self.streams_timed} streams; longest in a completed stream "
+                     f"{self.longest_completed_pause_s} s; resumes counted by the ingress {self.resumes}")
+        if self.chaos is not None:
+            kills = ", ".join(f"at {k['at_s']} s replaced in {k['replaced_s']} s" for k in self.chaos["kills"])
+            lines.append(f"  chaos: {self.kills} worker replica kills of {self.chaos['worker_replicas']}, "
+                         f"every {self.chaos['every_s']} s: {kills or 'none'}")
         for kind, counts in sorted(self.by_kind.items()):
             lines.append(f"  {kind:<12} " + " ".join(f"{k}={v}" for k, v in sorted(counts.items())))
         if self.failures:
@@ -393,8 +537,11 @@ async def run_load(config: SoakConfig, on_sample: Callable[[], None] | None = No
     return outcomes, time.monotonic() - start
 
 
-async def soak(config: SoakConfig, probe: ServeProbe | None = None) -> SoakReport:
+async def soak(config: SoakConfig, probe: ServeProbe | None = None, killer: WorkerKiller | None = None) -> SoakReport:
+    """The load (with `killer`'s kills beside it), the worker probed before and after it."""
+    replicas = await asyncio.to_thread(killer.ready) if killer else 0
     before = (await settled(probe, None, config.settle_timeout_s))[0] if probe else None
+    resumes_before = await asyncio.to_thread(resumes_counted, config.url, config.model)
     rss: list[float] = []
 
     def sample() -> None:
@@ -402,21 +549,49 @@ async def soak(config: SoakConfig, probe: ServeProbe | None = None) -> SoakRepor
         if value is not None:
             rss.append(value)
 
+    kills = asyncio.create_task(killer.run(config.duration_s, replicas)) if killer else None
     outcomes, wall = await run_load(config, sample if probe else None)
+    chaos = ChaosResult(killer.every_s, replicas, await kills) if killer else None
     after, settle_s = await settled(probe, before, config.settle_timeout_s) if probe else (None, None)
     if after is not None and after.rss_mib is not None:
         rss.append(after.rss_mib)
-    return report(config, outcomes, wall, before, after, settle_s, rss)
+    resumes_after = await asyncio.to_thread(resumes_counted, config.url, config.model)
+    resumes = None if resumes_before is None or resumes_after is None else resumes_after - resumes_before
+    return report(config, outcomes, wall, before, after, settle_s, rss, chaos, resumes)
+
+
+@dataclass
+class Pauses:
+    streams: int
+    longest_s: float | None
+    longest_at_s: float | None  # seconds after the first request began
+    p99_s: float | None
+    longest_completed_s: float | None  # over the completed streams only
+
+
+def pauses(outcomes: list[Outcome]) -> Pauses:
+    """The longest pause over all timed streams, when it began, and the p99 of each stream's longest."""
+    timed = [o for o in outcomes if o.longest_pause_s is not None]
+    if not timed:
+        return Pauses(0, None, None, None, None)
+    worst = max(timed, key=lambda o: o.longest_pause_s)
+    load_start = min(o.started for o in outcomes)
+    completed = [o.longest_pause_s for o in timed if o.result == COMPLETED]
+    return Pauses(len(timed), round(worst.longest_pause_s, 2), round(worst.pause_began - load_start, 1),
+                  round(_quantile(sorted(o.longest_pause_s for o in timed), 0.99), 2),
+                  round(max(completed), 2) if completed else None)
 
 
 def report(config: SoakConfig, outcomes: list[Outcome], wall: float, before: WorkerSnapshot | None,
-           after: WorkerSnapshot | None, settle_s: float | None, rss_samples: list[float]) -> SoakReport:
+           after: WorkerSnapshot | None, settle_s: float | None, rss_samples: list[float],
+           chaos: ChaosResult | None = None, resumes: int | None = None) -> SoakReport:
     by_kind: dict[str, Counter] = {}
     for o in outcomes:
         by_kind.setdefault(o.kind, Counter())[o.result] += 1
     results = Counter(o.result for o in outcomes)
     latencies = sorted(o.latency_s for o in outcomes if o.result == COMPLETED and o.detail != "disconnected")
     tokens = sum(o.completion_tokens for o in outcomes if o.result == COMPLETED)
+    paused = pauses(outcomes)
     back = None
     if before is not None and after is not None:
         back = after.idle and after.kv_blocks_used <= before.kv_blocks_used
@@ -432,7 +607,10 @@ def report(config: SoakConfig, outcomes: list[Outcome], wall: float, before: Wor
         latency_p50_s=round(_quantile(latencies, 0.5), 2), latency_p99_s=round(_quantile(latencies, 0.99), 2),
         before=asdict(before) if before else None, after=asdict(after) if after else None,
         peak_rss_mib=max(rss_samples, default=None), rss_samples_mib=rss_samples, settle_s=settle_s,
-        back_to_baseline=back,
+        back_to_baseline=back, chaos=asdict(chaos) if chaos else None, kills=len(chaos.kills) if chaos else 0,
+        resumes=resumes, streams_timed=paused.streams, longest_pause_s=paused.longest_s,
+        longest_pause_at_s=paused.longest_at_s, pause_p99_s=paused.p99_s,
+        longest_completed_pause_s=paused.longest_completed_s,
     )
 
 
@@ -445,22 +623,29 @@ def _quantile(values: list[float], q: float) -> float:
 # --------------------------------------------------------------------------- starting the app
 
 
-def start_app(config_path: str, app_name: str = "chatserve", port: int = 8000) -> tuple[str, str]:
-    """Start Ray, Serve and the config's first application on loopback; returns (url, model id)."""
-    import ray
+def app_args(config_path: str, worker_replicas: int | None = None) -> dict:
+    """The config's first application's args, with `worker_replicas` replicas of its first
+    model if given (one torch thread and half a CPU each: tools/reliability/replicas.py)."""
     import yaml
+
+    with open(config_path) as f:
+        args = yaml.safe_load(f)["applications"][0]["args"]
+    return args if worker_replicas is None else with_worker_replicas(args, worker_replicas)
+
+
+def start_app(args: dict, app_name: str = "chatserve", port: int = 8000) -> tuple[str, str]:
+    """Start Ray, Serve and an application of these args on loopback; returns (url, model id)."""
+    import ray
     from ray import serve
 
     from serve_app.app import build_app
 
-    with open(config_path) as f:
-        app = yaml.safe_load(f)["applications"][0]
     ray.init(include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(app["args"]), name=app_name, route_prefix="/", blocking=False)
+    serve.run(build_app(args), name=app_name, route_prefix="/", blocking=False)
     url = f"http://127.0.0.1:{port}"
     wait_ready(url)
-    return url, app["args"]["models"][0]["id"]
+    return url, args["models"][0]["id"]
 
 
 def stop_app() -> None:
@@ -484,28 +669,47 @@ def warm_up(url: str, model: str, max_tokens: int) -> None:
     asyncio.run(run())
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/default.yaml", help="start this config's first app")
-    parser.add_argument("--url", default=None, help="use a running server instead (no worker probe)")
+    parser.add_argument("--url", default=None, help="use a running server instead (no worker probe, no chaos)")
     parser.add_argument("--model", default=None, help="default: the first of /v1/models")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--duration", type=float, default=600, help="seconds of load")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--request-timeout", type=float, default=300)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--worker-replicas", type=int, default=None,
+                        help="replicas of the config's first model (each then one torch thread, half a CPU)")
+    parser.add_argument("--kill-worker-every", type=float, default=None, metavar="S",
+                        help="chaos: kill a worker replica every S seconds of the load (needs 2+ replicas)")
     parser.add_argument("--json", default="bench-results/soak.json")
     args = parser.parse_args(argv)
+    if args.kill_worker_every is not None:
+        if args.url is not None:
+            parser.error("--kill-worker-every kills replicas of the app it starts: leave out --url")
+        replicas = args.worker_replicas or worker_replicas_of(app_args(args.config))
+        if replicas < 2:
+            parser.error(f"--kill-worker-every needs at least 2 worker replicas (has {replicas}): "
+                         "add --worker-replicas 2, so the killed replica's requests have one to resume on")
+    return args
 
+
+def main(argv: list[str] | None = None) -> None:
+    from serve_app.app import worker_deployment_name
+
+    args = parse_args(argv)
     started = args.url is None
-    url, model = start_app(args.config) if started else (args.url, None)
+    url, model = start_app(app_args(args.config, args.worker_replicas)) if started else (args.url, None)
     try:
         model = args.model or model or httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
         probe = ServeProbe("chatserve", model) if started else None
+        killer = None if args.kill_worker_every is None else \
+            WorkerKiller("chatserve", worker_deployment_name(model), args.kill_worker_every)
         warm_up(url, model, args.max_tokens)
         config = SoakConfig(url=url, model=model, concurrency=args.concurrency, duration_s=args.duration,
                             max_tokens=args.max_tokens, request_timeout_s=args.request_timeout, seed=args.seed)
-        result = asyncio.run(soak(config, probe))
+        result = asyncio.run(soak(config, probe, killer))
     finally:
         if started:
             stop_app()
@@ -513,7 +717,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({**asdict(result), "machine": f"{os.cpu_count()} CPU cores"}, f, indent=2)
+            json.dump({**asdict(result), "worker_replicas": args.worker_replicas,
+                       "machine": f"{os.cpu_count()} CPU cores"}, f, indent=2)
 
 
 if __name__ == "__main__":
