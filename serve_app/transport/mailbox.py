@@ -150,12 +150,16 @@ class RequestMailbox:
     async def _read_control(self, call) -> None:
         try:
             async for message in call:
+                if call is not self._call:
+                    return  # replaced by a new attempt: its chunks would not match the continuation
                 if isinstance(message, ChannelReceipt):
                     self._expected = message.entries
                 else:
                     for chunk in message:
                         self.put(chunk)
         except BackPressureError as exc:
+            if call is not self._call:
+                return  # an attempt already replaced: what became of it no longer matters
             if self._arrived:  # a resumed request: its client is waiting; try again
                 self.broke("every replica is busy")
             else:
@@ -164,9 +168,15 @@ class RequestMailbox:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - any worker-side failure ends this request only
+            # A replaced attempt's call ends with RequestCancelledError (restart cancelled it),
+            # sometimes before this task's own cancellation lands: it must not break the new one.
+            if call is not self._call:
+                return
             logger.warning("model worker call failed: %s", type(exc).__name__)
             # The worker's own code raising is a bug a retry repeats; a dead replica is not.
             self.broke(type(exc).__name__, resumable=not isinstance(exc, RayTaskError))
+            return
+        if call is not self._call:
             return
         self._control_done = True
         self._ready.set()

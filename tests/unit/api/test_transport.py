@@ -10,6 +10,7 @@ import uuid
 from types import SimpleNamespace
 
 import pytest
+from ray.serve.exceptions import RequestCancelledError
 
 from serve_app.transport.channels import WorkerChannels
 from serve_app.transport.mailbox import RequestMailbox
@@ -54,7 +55,14 @@ class Stream:
         return self
 
     async def __anext__(self):
-        message = await self.queue.get()
+        try:
+            message = await self.queue.get()
+        except asyncio.CancelledError:
+            # As Serve's response generator: a call cancelled, then its reader's task
+            # cancelled, raises RequestCancelledError in that reader, not CancelledError.
+            if self.cancelled:
+                raise RequestCancelledError("r") from None
+            raise
         if isinstance(message, BaseException):
             raise message
         return message
@@ -299,6 +307,24 @@ def test_a_broken_stream_resumes_on_another_replica_from_the_ids_received():
     assert all(c.error is None for c in rest) and rest[-1].finish_reason == "stop"
     assert resumed.request_id.startswith("r~") and resumed.resume.choices[0].token_ids == (1, 2)
     assert not resumed.resume.choices[0].finished and resumed.messages == request("r").messages
+
+
+def test_the_replaced_attempts_cancelled_call_does_not_break_the_new_attempt():
+    async def body():
+        workers, mailbox, own_call, channel = await call_on_replica(resume=ResumeConfig())
+        channel.push([("r", piece("a", ids(1)))])
+        await anext(mailbox)
+        channel.fail(RuntimeError("ActorDiedError"))  # the channel breaks first; the call is still open
+        await settle()
+        second_call = workers.calls[1][1]
+        assert own_call.cancelled and not second_call.cancelled
+        await asyncio.sleep(0.7)  # past the retry delay: a spurious break would have restarted it
+        second_call.push([piece("b", ids(2), "length")])
+        second_call.close()
+        return [c.text async for c in mailbox], len(workers.calls), second_call.cancelled
+
+    texts, calls, cancelled = asyncio.run(body())
+    assert texts == ["b"] and calls == 2 and not cancelled
 
 
 def test_late_chunks_of_the_broken_attempt_are_dropped():
