@@ -65,35 +65,41 @@ def block_keys(text: str, block_chars: int) -> list[bytes]:
 
 
 class PrefixIndex:
-    """Block key -> the replica last sent a prompt with that block, least recently used
-    dropped beyond `max_blocks`. Entries of replicas gone are skipped, then overwritten or
+    """Block key -> the replicas that were sent a prompt with that block, least recently
+    used blocks dropped beyond `max_blocks`. Entries of replicas gone are skipped, then
     evicted in time."""
 
     def __init__(self, max_blocks: int) -> None:
         self._max_blocks = max_blocks
-        self._replica_of: OrderedDict[bytes, str] = OrderedDict()
+        self._holders: OrderedDict[bytes, set[str]] = OrderedDict()
 
     def __len__(self) -> int:
-        return len(self._replica_of)
+        return len(self._holders)
 
-    def longest_match(self, keys: Iterable[bytes], replicas: Collection[str]) -> tuple[str | None, int]:
-        """The replica (among `replicas`) holding the longest recorded prefix, and its length
-        in blocks; (None, 0) if none holds the first block."""
-        best, matched = None, 0
-        for depth, key in enumerate(keys, start=1):
-            replica = self._replica_of.get(key)
-            if replica is None:
-                break  # a later block's key is chained over this one: it cannot match either
-            if replica in replicas:
-                best, matched = replica, depth
-        return best, matched
+    def depths(self, keys: Iterable[bytes], replicas: Collection[str]) -> dict[str, int]:
+        """For each of `replicas` holding the first block: how many leading blocks it holds
+        (a block's key is chained over all before it, so holding block k means having been
+        sent blocks 0..k)."""
+        depth: dict[str, int] = {}
+        for count, key in enumerate(keys, start=1):
+            holders = self._holders.get(key)
+            if not holders:
+                break  # later keys are chained over this one: none can be held either
+            for replica in holders:
+                if replica in replicas:
+                    depth[replica] = count
+        return depth
 
     def record(self, keys: Iterable[bytes], replica: str) -> None:
         for key in keys:
-            self._replica_of[key] = replica
-            self._replica_of.move_to_end(key)
-        while len(self._replica_of) > self._max_blocks:
-            self._replica_of.popitem(last=False)
+            holders = self._holders.get(key)
+            if holders is None:
+                self._holders[key] = {replica}
+            else:
+                holders.add(replica)
+                self._holders.move_to_end(key)
+        while len(self._holders) > self._max_blocks:
+            self._holders.popitem(last=False)
 
 
 def rendezvous(key: str, replicas: Iterable[str]) -> str | None:

@@ -1,6 +1,7 @@
 """Prefix-aware replica choice: send a request where the longest prefix of its prompt was
 sent before (its KV blocks are likely cached there), or where its session belongs, unless
-that replica is busier than the least loaded one by more than a margin.
+that replica is busier than the least loaded one by more than a margin. Replicas that hold
+the same prefix (a system prompt every conversation shares) are told apart by load.
 
 The decision is pure (replica ids and loads in, a replica id or None out) so it is tested
 without Serve; serve_app/transport/router.py feeds it Serve's queue lengths and records
@@ -22,7 +23,7 @@ class PrefixRoutingOptions:
 
     prefix_aware: bool = True
     block_chars: int = 128
-    load_margin: int = 4
+    load_margin: int = 8
     max_blocks: int = 100_000
 
 
@@ -42,10 +43,19 @@ class PrefixRouting:
         if request.session_key is not None:
             target = rendezvous(request.session_key, loads)
         else:
-            target, _ = self._index.longest_match(keys, loads.keys())
+            target = self._deepest(keys, loads)
         if target is None or loads[target] - min(loads.values()) > self.options.load_margin:
             return None
         return target
+
+    def _deepest(self, keys: list[bytes], loads: Mapping[str, int]) -> str | None:
+        """The least loaded of the replicas holding the longest prefix; None when every
+        replica holds as much as any other (then load alone decides)."""
+        depths = self._index.depths(keys, loads.keys())
+        deepest = max(depths.values(), default=0)
+        if deepest == 0 or (len(depths) == len(loads) and min(depths.values()) == deepest):
+            return None
+        return min((r for r, d in depths.items() if d == deepest), key=lambda r: loads[r])
 
     def routed(self, keys: list[bytes], replica: str) -> None:
         """Where the request went (whichever way it was chosen): its prefix is cached there now."""

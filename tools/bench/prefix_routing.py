@@ -5,7 +5,10 @@ routing against Serve's power of two choices, on the same load in one run.
 
 The load: --conversations conversations at once, each --turns turns long, all sharing one
 system prompt of about --system-tokens tokens; each turn sends the whole conversation so far
-(with the model's answers) and --max-tokens output tokens. Reported per router: the cached
+(with the model's answers) and --max-tokens output tokens, after a pause of 0 to 2x
+--think-s seconds (a person reading and typing: without it, each turn goes out the moment
+its last one freed a slot on its replica, and Serve's power of two choices, seeing that
+replica less loaded, sends it back there by chance of timing). Reported per router: the cached
 share of prompt tokens in turns 2 and later (usage.prompt_tokens_details.cached_tokens),
 output tok/s over the whole load, and the requests each replica ran. Then a load with no
 shared prefixes (--unshared requests, 16 at a time): the largest share one replica took.
@@ -69,11 +72,13 @@ def app_args(model, dtype: str, prefix_aware: bool) -> dict:
 
 
 async def conversation(client: httpx.AsyncClient, model: str, system: str, opening: str, turns: int,
-                       max_tokens: int) -> list[dict]:
+                       max_tokens: int, think_s: float, rng: random.Random) -> list[dict]:
     """One conversation's turns; each item is that turn's usage (or an error)."""
     messages = [{"role": "system", "content": system}, {"role": "user", "content": opening}]
     usages = []
     for turn in range(turns):
+        if turn:
+            await asyncio.sleep(rng.uniform(0, 2 * think_s))
         body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
                 "ignore_eos": True}
         response = await client.post("/v1/chat/completions", json=body)
@@ -122,7 +127,7 @@ def run_router(args, model, prefix_aware: bool) -> RouterReport:
     report = RouterReport("prefix-aware" if prefix_aware else "power of two choices")
     rng = random.Random(11)
     system = "You are a weather assistant. Facts you know: " + words(rng, int(args.system_tokens * 0.9))
-    openings = [f"I live in town {n}. {words(rng, 12)}. Will it rain today?" for n in range(args.conversations)]
+    openings = [f"I live in town {n}. My notes: {words(rng, 60)}. Will it rain today?" for n in range(args.conversations)]
     ray.init(include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": PORT})
@@ -140,8 +145,9 @@ async def _measure(args, model, report: RouterReport, system: str, openings: lis
             {"role": "user", "content": "warm up"}]})
         before = await requests_per_replica(model.name)
         start = time.perf_counter()
-        conversations = await asyncio.gather(*(conversation(client, model.name, system, opening, args.turns,
-                                                            args.max_tokens) for opening in openings))
+        conversations = await asyncio.gather(*(
+            conversation(client, model.name, system, opening, args.turns, args.max_tokens, args.think_s,
+                         random.Random(n)) for n, opening in enumerate(openings)))
         report.wall_s = time.perf_counter() - start
         middle = await requests_per_replica(model.name)
         report.failed = await unshared_load(client, model.name, args.unshared, args.max_tokens)
@@ -189,6 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--system-tokens", type=int, default=500, help="about this many tokens of system prompt")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--think-s", type=float, default=2.0, help="mean pause between a conversation's turns")
     parser.add_argument("--unshared", type=int, default=64, help="requests of the load with no shared prefix")
     parser.add_argument("--out", type=Path, default=REPO / "bench-results")
     args = parser.parse_args(argv)

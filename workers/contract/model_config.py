@@ -179,7 +179,7 @@ class RoutingConfig(_Strict):
                                "power of two choices by load alone")
     block_chars: int = Field(128, ge=16, le=4096, description="prompt text is matched in blocks of this many "
                              "characters (about a quarter as many tokens)")
-    load_margin: int = Field(4, ge=0, description="the preferred replica is skipped when it runs more than this "
+    load_margin: int = Field(8, ge=0, description="the preferred replica is skipped when it runs more than this "
                              "many requests above the least loaded one")
     max_blocks: int = Field(100_000, ge=1, description="prompt blocks each ingress replica remembers (least "
                             "recently used forgotten first; about 100 bytes each)")

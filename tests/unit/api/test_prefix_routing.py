@@ -49,16 +49,14 @@ def test_prompt_text_depends_on_what_the_prompt_depends_on():
     assert prompt_text(completion).endswith("Once upon")
 
 
-def test_index_names_the_replica_with_the_longest_live_prefix():
+def test_index_gives_each_replica_the_prefix_it_holds():
     keys = block_keys("z" * 320, 32)  # 10 blocks
     index = PrefixIndex(max_blocks=100)
     index.record(keys[:3], "a")
-    index.record(keys[:7], "b")  # b saw a longer prompt with the same start (and now owns blocks 0-2)
-    assert index.longest_match(keys, {"a", "b"}) == ("b", 7)
-    index.record(keys[:2], "a")
-    assert index.longest_match(keys, {"a", "b"}) == ("b", 7)  # a's 2 blocks lose to b's 7
-    assert index.longest_match(keys, {"a"}) == ("a", 2)  # b gone: its entries are skipped
-    assert index.longest_match(block_keys("q" * 64, 32), {"a", "b"}) == (None, 0)
+    index.record(keys[:7], "b")  # b was sent a longer prompt with the same start
+    assert index.depths(keys, {"a", "b"}) == {"a": 3, "b": 7}
+    assert index.depths(keys, {"a"}) == {"a": 3}  # b gone: its entries are skipped
+    assert index.depths(block_keys("q" * 64, 32), {"a", "b"}) == {}
 
 
 def test_index_forgets_least_recently_used_blocks_beyond_its_bound():
@@ -67,8 +65,8 @@ def test_index_forgets_least_recently_used_blocks_beyond_its_bound():
     index.record(old, "a")
     index.record(new, "b")
     assert len(index) == 4
-    assert index.longest_match(old, {"a", "b"}) == (None, 0)
-    assert index.longest_match(new, {"a", "b"}) == ("b", 4)
+    assert index.depths(old, {"a", "b"}) == {}
+    assert index.depths(new, {"a", "b"}) == {"b": 4}
 
 
 def test_next_turn_of_a_conversation_goes_where_the_last_turn_went():
@@ -76,13 +74,25 @@ def test_next_turn_of_a_conversation_goes_where_the_last_turn_went():
     turn1 = chat(SYSTEM, user("What is the capital of France? " * 3))
     routing.routed(routing.keys(turn1), "a")
     other = chat(SYSTEM, user("Something else entirely, and long enough to fill blocks. " * 3))
-    routing.routed(routing.keys(other), "b")  # the shared system prompt's blocks now point at b
+    routing.routed(routing.keys(other), "b")  # b holds the shared system prompt too
     turn2 = chat(*turn1.messages, {"role": "assistant", "content": "Paris."}, user("And of Spain?"))
     assert routing.preferred(turn2, routing.keys(turn2), {"a": 3, "b": 3}) == "a"
 
 
+def test_replicas_holding_the_same_prefix_are_told_apart_by_load():
+    routing = PrefixRouting(PrefixRoutingOptions(block_chars=64))
+    for replica, text in (("a", "first question " * 8), ("b", "second question " * 8)):
+        routing.routed(routing.keys(chat(SYSTEM, user(text))), replica)
+    new = chat(SYSTEM, user("a new conversation " * 8))  # both hold its system prompt, no more
+    assert routing.preferred(new, routing.keys(new), {"a": 3, "b": 3}) is None  # load decides
+    assert routing.preferred(new, routing.keys(new), {"a": 3, "b": 3, "c": 0}) in ("a", "b")  # c holds nothing
+    only_a = chat(user("seen by a only " * 10))
+    routing.routed(routing.keys(only_a), "a")
+    assert routing.preferred(only_a, routing.keys(only_a), {"a": 5, "b": 1}) == "a"
+
+
 def test_a_preferred_replica_busier_than_the_margin_is_skipped():
-    routing = PrefixRouting(PrefixRoutingOptions(block_chars=64, load_margin=4))
+    routing = PrefixRouting(PrefixRoutingOptions(block_chars=64, load_margin=4))  # 8 by default
     turn1 = chat(SYSTEM, user("hello " * 30))
     keys = routing.keys(turn1)
     routing.routed(keys, "a")
