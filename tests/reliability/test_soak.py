@@ -96,3 +96,9 @@ def test_a_body_must_have_every_choice_and_usage():
         check_body("/v1/chat/completions", body, {**ok, "choices": ok["choices"][:1]})
     with pytest.raises(Malformed):
         check_body("/v1/chat/completions", body, {**ok, "usage": None})
+    # Null content and no calls: only a cut forced call (finish_reason length) answers so.
+    empty = [{"index": i, "finish_reason": "stop", "message": {"content": None}} for i in range(2)]
+    with pytest.raises(Malformed):
+        check_body("/v1/chat/completions", body, {**ok, "choices": empty})
+    cut = [{**choice, "finish_reason": "length"} for choice in empty]
+    assert check_body("/v1/chat/completions", body, {**ok, "choices": cut}) == (2, 0)

@@ -161,7 +161,10 @@ def check_body(path: str, body: dict, payload: dict) -> tuple[int, int]:
             continue
         message = choice.get("message") or {}
         calls += len(message.get("tool_calls") or [])
-        if not isinstance(message.get("content"), str) and not message.get("tool_calls"):
+        # A forced tool call that the length cap cut is neither content nor a call (null content,
+        # no tool_calls): a valid answer, but only when the cap ended it.
+        if not isinstance(message.get("content"), str) and not message.get("tool_calls") \
+                and choice.get("finish_reason") != "length":
             raise Malformed("message with neither content nor tool_calls")
     usage = payload.get("usage") or {}
     tokens = usage.get("completion_tokens")
