@@ -42,13 +42,13 @@ def soak_app(serve_instance, tmp_path_factory):
 
 
 def test_short_soak_loses_nothing_and_returns_to_baseline(soak_app):
-    config = SoakConfig(url=soak_app, model=TINY_MODEL_ID, concurrency=12, duration_s=20, max_tokens=24,
+    config = SoakConfig(url=soak_app, model=TINY_MODEL_ID, concurrency=12, duration_s=12, max_tokens=24,
                         request_timeout_s=120, settle_timeout_s=30)
     result = asyncio.run(soak(config, ServeProbe(APP, TINY_MODEL_ID)))
     print(result.summary())
     assert result.lost == 0, result.lost_details
     assert all(result.by_kind[kind].get(COMPLETED) for kind in KINDS), result.by_kind  # every kind ran
-    assert result.completed >= 50  # (a random model seldom closes the forced call within max_tokens)
+    assert result.completed >= 30  # (a random model seldom closes the forced call within max_tokens)
     # A clear error (a worker's 5xx or a 400) is not lost, but a healthy worker has none.
     assert result.failed == 0, result.failures
     assert result.before["kv_blocks_used"] == 0 and result.before["running"] == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 
 import httpx
 import openai
@@ -218,7 +219,8 @@ def test_client_disconnect_frees_the_sequence(tiny_app):
 def test_cached_tokens_in_usage_for_a_repeated_prefix(client, tiny_app):
     """The second request with the same long prefix reports the prefix-cache hit in
     usage.prompt_tokens_details.cached_tokens (non-streaming, streaming and /v1/completions)."""
-    messages = [{"role": "system", "content": "Unicode: café naïve 你好 世界 — a system prompt for the cache test."},
+    # Its own opening: another test's prompt with the same first block would be a cache hit.
+    messages = [{"role": "system", "content": f"{uuid.uuid4().hex} Unicode: café naïve 你好 世界 — a system prompt."},
                 {"role": "user", "content": "Hi"}]
     kwargs = dict(model=TINY_MODEL_ID, messages=messages, temperature=0, max_tokens=2)
     first = client.chat.completions.create(**kwargs)

@@ -95,7 +95,7 @@ def test_graph_runner_under_interpreter():
            "-k", "interpreted"]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
-    assert "3 passed" in result.stdout, result.stdout[-2000:]
+    assert "2 passed" in result.stdout, result.stdout[-2000:]
 
 
 class _EagerReplay:
@@ -128,8 +128,9 @@ def _engine(model, graphs: bool, num_blocks: int, lora: LoraLimits | None = None
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="run in a child by test_graph_runner_under_interpreter")
-@pytest.mark.parametrize("fuse", [False, True], ids=["separate", "fused-projections"])
-def test_interpreted_graph_steps_match_the_sdpa_engine(fuse):
+def test_interpreted_graph_steps_match_the_sdpa_engine():
+    """Fused projections (the default) only: separate ones feed the same static buffers
+    through more layers, and each interpreted run costs ~15 s of the suite."""
     import copy
 
     from tests.support.tiny_models import build_tiny_llama
@@ -139,8 +140,8 @@ def test_interpreted_graph_steps_match_the_sdpa_engine(fuse):
     model = build_tiny_llama(VOCAB)
     model.set_attn_implementation(register_paged_attention())
     graphed_model = copy.deepcopy(model)
-    if fuse:  # the graphs' static buffers feed q/k/v and gate/up as one multiply each
-        assert fuse_sibling_projections(graphed_model) == 2 * model.config.num_hidden_layers
+    # The graphs' static buffers feed q/k/v and gate/up as one multiply each.
+    assert fuse_sibling_projections(graphed_model) == 2 * model.config.num_hidden_layers
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (5, 17, 1, 30, 9, 12, 3)]
     # The batch shrinks: 7 rows, then 6 (graph size 8), 4, 2, 1 (each interpreted step costs seconds).
