@@ -219,15 +219,16 @@ def test_client_disconnect_frees_the_sequence(tiny_app):
 def test_cached_tokens_in_usage_for_a_repeated_prefix(client, tiny_app):
     """The second request with the same long prefix reports the prefix-cache hit in
     usage.prompt_tokens_details.cached_tokens (non-streaming, streaming and /v1/completions)."""
-    # Its own opening: another test's prompt with the same first block would be a cache hit.
     messages = [{"role": "system", "content": f"{uuid.uuid4().hex} Unicode: café naïve 你好 世界 — a system prompt."},
                 {"role": "user", "content": "Hi"}]
     kwargs = dict(model=TINY_MODEL_ID, messages=messages, temperature=0, max_tokens=2)
     first = client.chat.completions.create(**kwargs)
-    assert first.usage.prompt_tokens_details.cached_tokens == 0
     second = client.chat.completions.create(**kwargs)
     cached = second.usage.prompt_tokens_details.cached_tokens
-    assert 0 < cached < second.usage.prompt_tokens and cached % 4 == 0  # whole blocks of 4
+    # The first request may share a block or so with an earlier test's system prompt (the
+    # template's opening); the second finds all of its prompt but the last partial block.
+    assert first.usage.prompt_tokens_details.cached_tokens < cached
+    assert second.usage.prompt_tokens - 4 <= cached < second.usage.prompt_tokens and cached % 4 == 0
     stream = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
     assert stream[-1].usage.prompt_tokens_details.cached_tokens == cached
     prompt = "The quick brown fox jumps over the lazy dog. " * 3

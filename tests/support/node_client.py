@@ -1,7 +1,8 @@
 """OpenAI's Node SDK as a test client: scripts in tests/clients/node/, run with `node`.
 
 The SDK is installed by npm into tests/clients/node/node_modules on first use (pinned in
-its package.json); tests that use the `node_sdk` fixture skip where node or npm is missing.
+its package.json); tests that use the `node_sdk` fixture skip where node or npm is missing
+or npm cannot reach its registry.
 Each script reads OPENAI_BASE_URL, OPENAI_API_KEY and MODEL, and prints one JSON document.
 """
 
@@ -45,5 +46,6 @@ def node_sdk() -> NodeSDK:
     try:
         _install()
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as failure:
-        pytest.fail(f"npm could not install the Node SDK: {failure}")
+        # The registry out of reach is the machine's state, not the server's: skip, saying so.
+        pytest.skip(f"npm could not install the Node SDK: {failure}")
     return NodeSDK()
