@@ -10,9 +10,7 @@ import random
 import pytest
 from ray import serve
 
-from serve_app.app import build_app
-from tests.support.serve_fixtures import TINY_MODEL_ID, tiny_app_args, wait_ready
-from tests.support.tiny_models import write_tiny_model_dir
+from tests.support.serve_fixtures import TINY_MODEL_ID, run_app, soak_app_args
 from tools.reliability.soak import (
     COMPLETED,
     KINDS,
@@ -30,14 +28,7 @@ APP = "soak"
 
 @pytest.fixture(scope="module")
 def soak_app(serve_instance, tmp_path_factory):
-    # The tiny tokenizer spends about a token a character: the tool request's system prompt
-    # (the tool list and the call format) needs a ~2k window.
-    model_dir = write_tiny_model_dir(tmp_path_factory.mktemp("soak_model"), max_position_embeddings=4096)
-    args = tiny_app_args(model_dir, max_model_len=4096, kv_cache_memory_gib=0.02)
-    serve.run(build_app(args), name=APP, route_prefix="/soak", blocking=False)
-    url = serve_instance.url("/soak")
-    wait_ready(url)
-    yield url
+    yield run_app(serve_instance, APP, soak_app_args(tmp_path_factory.mktemp("soak_model")))
     serve.delete(APP)
 
 

@@ -13,9 +13,8 @@ import httpx
 import pytest
 from ray import serve
 
-from serve_app.app import build_app, worker_deployment_name
-from tests.support.serve_fixtures import TINY_MODEL_ID, tiny_app_args, wait_ready
-from tests.support.tiny_models import write_tiny_model_dir
+from serve_app.app import worker_deployment_name
+from tests.support.serve_fixtures import TINY_MODEL_ID, run_app, soak_app_args
 from tools.reliability.replicas import with_worker_replicas
 from tools.reliability.soak import (
     COMPLETED,
@@ -38,17 +37,12 @@ APP = "chaos"
 
 @pytest.fixture(scope="module")
 def chaos_app(serve_instance, tmp_path_factory):
-    # test_soak.py's window (the tool request's prompt needs ~2k tiny-tokenizer tokens), two
-    # worker replicas of one torch thread each. Power of two choices rather than prefix-aware
+    # The soak's app, with two worker replicas of one torch thread each. Power of two choices rather than prefix-aware
     # routing: the soak's few prompts could all go to one replica, leaving none in flight on
     # the one killed (then nothing would resume and the test would prove nothing).
-    model_dir = write_tiny_model_dir(tmp_path_factory.mktemp("chaos_model"), max_position_embeddings=4096)
-    args = with_worker_replicas(tiny_app_args(model_dir, max_model_len=4096, kv_cache_memory_gib=0.02), 2)
+    args = with_worker_replicas(soak_app_args(tmp_path_factory.mktemp("chaos_model")), 2)
     args["models"][0]["routing"] = {"prefix_aware": False}
-    serve.run(build_app(args), name=APP, route_prefix="/chaos", blocking=False)
-    url = serve_instance.url("/chaos")
-    wait_ready(url)
-    yield url
+    yield run_app(serve_instance, APP, args)
     serve.delete(APP)
 
 

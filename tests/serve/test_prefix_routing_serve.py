@@ -8,9 +8,9 @@ import httpx
 import pytest
 from ray import serve
 
-from serve_app.app import build_app, worker_deployment_name
+from serve_app.app import worker_deployment_name
 from serve_app.transport.replica_directory import ReplicaDirectory, deployment_key
-from tests.support.serve_fixtures import TINY_MODEL_ID, tiny_app_args, wait_ready
+from tests.support.serve_fixtures import TINY_MODEL_ID, run_app, tiny_app_args
 from tests.support.tiny_models import write_tiny_model_dir
 
 APP = "prefix"
@@ -22,10 +22,7 @@ def two_replicas(serve_instance, tmp_path_factory):
     args = tiny_app_args(write_tiny_model_dir(tmp_path_factory.mktemp("model")), kv_cache_memory_gib=0.01)
     args["models"][0]["deployment"]["num_replicas"] = 2
     args["models"][0]["routing"] = {"block_chars": 32}
-    serve.run(build_app(args), name=APP, route_prefix=f"/{APP}", blocking=False)
-    url = serve_instance.url(f"/{APP}")
-    wait_ready(url)
-    yield url
+    yield run_app(serve_instance, APP, args)
     serve.delete(APP)
 
 

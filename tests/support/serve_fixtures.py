@@ -45,6 +45,27 @@ def tiny_app_args(model_dir, **engine) -> dict:
     }
 
 
+def soak_app_args(model_root) -> dict:
+    """The tiny app with a 4k window: the soak's tool request (its tool list and the call
+    format in the system prompt) needs about 2k tiny-tokenizer tokens."""
+    from tests.support.tiny_models import write_tiny_model_dir
+
+    model_dir = write_tiny_model_dir(model_root, max_position_embeddings=4096)
+    return tiny_app_args(model_dir, max_model_len=4096, kv_cache_memory_gib=0.02)
+
+
+def run_app(serve_instance: ServeInstance, name: str, args: dict) -> str:
+    """Start chatserve with `args` as app `name` at /<name>; its URL once it answers."""
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    serve.run(build_app(args), name=name, route_prefix=f"/{name}", blocking=False)
+    url = serve_instance.url(f"/{name}")
+    wait_ready(url)
+    return url
+
+
 def wait_ready(url: str, timeout: float = 120, headers: dict[str, str] | None = None) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
