@@ -20,6 +20,7 @@ from serve_app.app_config import parse_app_config
 from serve_app.ingress import ChatIngress
 from tests.support.serve_fixtures import (
     TINY_MODEL_ID,
+    delete_app,
     tiny_app_args,
     wait_ready,
     worker_stats,
@@ -46,7 +47,7 @@ def fault_app(serve_instance, tiny_model_dir):
     url = serve_instance.url("/fault")
     wait_ready(url)
     yield url
-    serve.delete("fault")
+    delete_app("fault")
 
 
 def wait_for_replicas(app: str, deployment: str, replicas: int, timeout_s: float = 120) -> None:
@@ -125,7 +126,7 @@ def two_replica_app(serve_instance, wide_model_dir):
     url = serve_instance.url("/faults2")
     wait_ready(url)
     yield url
-    serve.delete("faults2")
+    delete_app("faults2")
 
 
 def fault_load(url: str) -> FaultLoad:
@@ -297,7 +298,7 @@ def poisoned_app(serve_instance, tiny_model_dir):
     url = serve_instance.url("/poison")
     wait_ready(url)
     yield url
-    serve.delete("poison")
+    delete_app("poison")
 
 
 def greedy_requests() -> list[dict]:

@@ -14,6 +14,7 @@ from ray import serve
 from serve_app.app import build_app, worker_deployment_name
 from tests.support.serve_fixtures import (
     TINY_MODEL_ID,
+    delete_app,
     tiny_app_args,
     wait_ready,
     worker_stats,
@@ -34,7 +35,7 @@ def fuzz_app(serve_instance, tiny_model_dir):
     url = serve_instance.url(f"/{APP}")
     wait_ready(url)
     yield url
-    serve.delete(APP)
+    delete_app(APP)
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,13 @@ import asyncio
 import random
 
 import pytest
-from ray import serve
 
-from tests.support.serve_fixtures import TINY_MODEL_ID, run_app, soak_app_args
+from tests.support.serve_fixtures import (
+    TINY_MODEL_ID,
+    delete_app,
+    run_app,
+    soak_app_args,
+)
 from tools.reliability.soak import (
     COMPLETED,
     KINDS,
@@ -29,7 +33,7 @@ APP = "soak"
 @pytest.fixture(scope="module")
 def soak_app(serve_instance, tmp_path_factory):
     yield run_app(serve_instance, APP, soak_app_args(tmp_path_factory.mktemp("soak_model")))
-    serve.delete(APP)
+    delete_app(APP)
 
 
 def test_short_soak_loses_nothing_and_returns_to_baseline(soak_app):

@@ -11,10 +11,14 @@ import time
 
 import httpx
 import pytest
-from ray import serve
 
 from serve_app.app import worker_deployment_name
-from tests.support.serve_fixtures import TINY_MODEL_ID, run_app, soak_app_args
+from tests.support.serve_fixtures import (
+    TINY_MODEL_ID,
+    delete_app,
+    run_app,
+    soak_app_args,
+)
 from tools.reliability.replicas import with_worker_replicas
 from tools.reliability.soak import (
     COMPLETED,
@@ -43,7 +47,7 @@ def chaos_app(serve_instance, tmp_path_factory):
     args = with_worker_replicas(soak_app_args(tmp_path_factory.mktemp("chaos_model")), 2)
     args["models"][0]["routing"] = {"prefix_aware": False}
     yield run_app(serve_instance, APP, args)
-    serve.delete(APP)
+    delete_app(APP)
 
 
 def test_a_short_chaos_soak_loses_nothing_and_resumes_the_killed_replicas_requests(chaos_app):

@@ -16,7 +16,12 @@ from serve_app.app_config import ConfigError, ServerOptions, parse_app_config
 from serve_app.http.auth import APIKeyAuth, bearer_token, read_api_keys
 from serve_app.http.errors import APIError
 from tests.support.paths import REPO_ROOT
-from tests.support.serve_fixtures import TINY_MODEL_ID, tiny_app_args, wait_ready
+from tests.support.serve_fixtures import (
+    TINY_MODEL_ID,
+    delete_app,
+    tiny_app_args,
+    wait_ready,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -155,7 +160,7 @@ def auth_app(serve_instance, tiny_model_dir, tmp_path_factory):
     url = serve_instance.url("/auth")
     wait_ready(url, headers={"Authorization": f"Bearer {ENV_KEY}"})
     yield url
-    serve.delete("auth")
+    delete_app("auth")
 
 
 BODIES = {

@@ -10,7 +10,12 @@ import pytest
 from ray import serve
 
 from serve_app.app import build_app, worker_deployment_name
-from tests.support.serve_fixtures import TINY_MODEL_ID, tiny_app_args, wait_ready
+from tests.support.serve_fixtures import (
+    TINY_MODEL_ID,
+    delete_app,
+    tiny_app_args,
+    wait_ready,
+)
 
 BODY = {"model": TINY_MODEL_ID, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 200,
         "ignore_eos": True}
@@ -27,7 +32,7 @@ def autoscaled_app(serve_instance, tiny_model_dir):
     url = serve_instance.url("/auto")
     wait_ready(url)
     yield url
-    serve.delete("auto")
+    delete_app("auto")
 
 
 def running_replicas() -> int:

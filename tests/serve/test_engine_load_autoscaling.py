@@ -14,7 +14,13 @@ from ray.serve._private.common import DeploymentID
 from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
 from serve_app.app import build_app, worker_deployment_name
-from tests.support.serve_fixtures import TINY_MODEL_ID, tiny_app_args, wait_ready, worker_stats
+from tests.support.serve_fixtures import (
+    TINY_MODEL_ID,
+    delete_app,
+    tiny_app_args,
+    wait_ready,
+    worker_stats,
+)
 
 APP = "engine-load"
 CLIENTS = 3
@@ -44,7 +50,7 @@ def engine_load_app(serve_instance, tiny_model_dir):
     url = serve_instance.url("/" + APP)
     wait_ready(url)
     yield url
-    serve.delete(APP)
+    delete_app(APP)
 
 
 def replicas() -> int:

@@ -10,7 +10,7 @@ from ray import cloudpickle, serve
 from serve_app.dialects.chat.request import ChatCompletionRequest
 from serve_app.dialects.chat.response import ChatCompletion, ChatCompletionChunk
 from serve_app.http.errors import APIError
-from tests.support.serve_fixtures import TINY_MODEL_ID
+from tests.support.serve_fixtures import TINY_MODEL_ID, delete_app
 
 # Ray workers cannot import the tests package: ship this module's classes by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -48,7 +48,7 @@ class Caller:
 def caller(tiny_app):
     handle = serve.run(Caller.bind("tiny"), name="caller", route_prefix=None)
     yield handle
-    serve.delete("caller")
+    delete_app("caller")
 
 
 def test_chat_returns_a_typed_response(caller, tiny_app):

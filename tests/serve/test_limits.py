@@ -13,6 +13,7 @@ from ray import serve
 from serve_app.app import build_app
 from tests.support.serve_fixtures import (
     TINY_MODEL_ID,
+    delete_app,
     tiny_app_args,
     wait_ready,
     worker_stats,
@@ -33,13 +34,13 @@ def small_queue_app(serve_instance, tiny_model_dir):
     args = tiny_app_args(tiny_model_dir)
     args["models"][0]["deployment"].update(max_ongoing_requests=1, max_queued_requests=1)
     yield deploy(serve_instance, "bp", args)
-    serve.delete("bp")
+    delete_app("bp")
 
 
 @pytest.fixture(scope="module")
 def timeout_app(serve_instance, tiny_model_dir):
     yield deploy(serve_instance, "slowlimit", tiny_app_args(tiny_model_dir, request_timeout_s=0.2))
-    serve.delete("slowlimit")
+    delete_app("slowlimit")
 
 
 def test_full_queue_answers_503_with_retry_after(small_queue_app):

@@ -10,7 +10,12 @@ import pytest
 
 from tests.support.engines import template_ids
 from tests.support.lora_adapters import merged_greedy, merged_model, write_peft_adapter
-from tests.support.serve_fixtures import TINY_MODEL_ID, tiny_app_args, wait_ready
+from tests.support.serve_fixtures import (
+    TINY_MODEL_ID,
+    delete_app,
+    tiny_app_args,
+    wait_ready,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -41,7 +46,7 @@ def lora_app(serve_instance, tiny_model_dir, tiny_model, tmp_path_factory):
     url = serve_instance.url("/lora")
     wait_ready(url, headers=AUTH)
     yield url, dirs
-    serve.delete("lora")
+    delete_app("lora")
 
 
 def _chat(url: str, model: str, headers=AUTH) -> httpx.Response:

@@ -7,7 +7,7 @@ import pytest
 from ray import serve
 
 from serve_app.app import build_app
-from tests.support.serve_fixtures import tiny_app_args, wait_ready
+from tests.support.serve_fixtures import delete_app, tiny_app_args, wait_ready
 from tests.support.tiny_models import write_tiny_model_dir
 
 
@@ -21,7 +21,7 @@ def two_models(serve_instance, tmp_path_factory):
     url = serve_instance.url("/two")
     wait_ready(url)
     yield url
-    serve.delete("two")
+    delete_app("two")
 
 
 def answer(url: str, model: str) -> str:

@@ -10,7 +10,12 @@ from ray import serve
 
 from serve_app.app import worker_deployment_name
 from serve_app.transport.replica_directory import ReplicaDirectory, deployment_key
-from tests.support.serve_fixtures import TINY_MODEL_ID, run_app, tiny_app_args
+from tests.support.serve_fixtures import (
+    TINY_MODEL_ID,
+    delete_app,
+    run_app,
+    tiny_app_args,
+)
 from tests.support.tiny_models import write_tiny_model_dir
 
 APP = "prefix"
@@ -23,7 +28,7 @@ def two_replicas(serve_instance, tmp_path_factory):
     args["models"][0]["deployment"]["num_replicas"] = 2
     args["models"][0]["routing"] = {"block_chars": 32}
     yield run_app(serve_instance, APP, args)
-    serve.delete(APP)
+    delete_app(APP)
 
 
 def chat(url: str, messages: list[dict], **headers: str) -> dict:

@@ -14,7 +14,12 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from tests.support.serve_fixtures import TINY_MODEL_ID, tiny_app_args, wait_ready
+from tests.support.serve_fixtures import (
+    TINY_MODEL_ID,
+    delete_app,
+    tiny_app_args,
+    wait_ready,
+)
 from tests.support.tiny_models import write_tiny_model_dir
 
 TOOLS_MODEL = "tiny-tools"
@@ -124,7 +129,7 @@ def tools_app(serve_instance, tmp_path_factory):
     url = serve_instance.url("/responses-tools")
     wait_ready(url, timeout=180)
     yield url
-    serve.delete("responses-tools")
+    delete_app("responses-tools")
 
 
 def test_required_tool_choice_gives_a_function_call_and_its_output_continues(tools_app):

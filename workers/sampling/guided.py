@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import torch
 
 from workers.contract.grammar import GuidedDecodingError, grammar_text
@@ -137,10 +136,12 @@ class GuidedDecoder:
         for i in rows:
             guides[i].check()  # a broken matcher would allow only EOS: fail loudly instead
         words = (self.tokenizer.vocab_size + 31) // 32
-        bitmask = torch.zeros(len(rows), words, dtype=torch.int32)
-        llguidance.torch.fill_next_token_bitmask_par(
-            self.executor, [(guides[i].matcher, k) for k, i in enumerate(rows)], bitmask
-        )
+        bitmask = torch.zeros(len(rows), words, dtype=torch.int32)  # contiguous, on the CPU, as the call needs
+        # What llguidance.torch.fill_next_token_bitmask_par does, without importing that
+        # module: it defines a torch.compile'd function at import, which loads dynamo and
+        # inductor (2.4 s of every worker's start).
+        self.executor.unsafe_compute_mask_ptr([(guides[i].matcher, k) for k, i in enumerate(rows)],
+                                              bitmask.data_ptr(), words * 4, len(rows))
         by_byte = bitmask.view(torch.uint8).view(-1).int()
         forbidden = _FORBIDDEN_BY_BYTE.index_select(0, by_byte).view(len(rows), words * 32)[:, : self.model_vocab_size]
         return GuidedMask(torch.tensor(rows, device=device), forbidden.to(device), len(rows) == len(guides))

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from serve_app.transport.prefix_index import PrefixIndex, block_keys, prompt_text, rendezvous
+from serve_app.transport.prefix_index import (
+    PrefixIndex,
+    block_keys,
+    prompt_text,
+    rendezvous,
+)
 from serve_app.transport.prefix_routing import PrefixRouting, PrefixRoutingOptions
 from workers.contract.requests import GenerateRequest, ImageData, LoraRequest
 from workers.contract.sampling_params import SamplingParams

@@ -10,7 +10,12 @@ from serve_app.dialects import completions
 from serve_app.dialects.chat import translate as chat_translate
 from serve_app.dialects.chat.request import ChatCompletionRequest
 from serve_app.dialects.completions import CompletionRequest
-from serve_app.dialects.tokenization import DetokenizeBody, TokenizeBody, to_detokenize_request, to_tokenize_request
+from serve_app.dialects.tokenization import (
+    DetokenizeBody,
+    TokenizeBody,
+    to_detokenize_request,
+    to_tokenize_request,
+)
 from serve_app.http.errors import APIError
 from serve_app.http.request_body import parse_request
 from workers.contract.model_config import ModelConfig

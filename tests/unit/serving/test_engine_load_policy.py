@@ -6,8 +6,17 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from workers.contract.engine_load import KV_CACHE_USAGE, QUEUED_PROMPT_TOKENS, WAITING, EngineLoad
-from workers.serving.engine_load_policy import EngineLoadPolicy, Targets, desired_replicas
+from workers.contract.engine_load import (
+    KV_CACHE_USAGE,
+    QUEUED_PROMPT_TOKENS,
+    WAITING,
+    EngineLoad,
+)
+from workers.serving.engine_load_policy import (
+    EngineLoadPolicy,
+    Targets,
+    desired_replicas,
+)
 
 
 @dataclass
