@@ -16,7 +16,7 @@ from workers.contract.lora import LoraAdapterError
 from workers.engine.batch import ScheduledChunk
 from workers.engine.limits import LoraLimits
 from workers.engine.sequence import Sequence
-from workers.lora.layers import LoraContext, LoraLinear, LoraSegments
+from workers.lora.layers import GroupedRuns, LoraContext, LoraLinear, LoraSegments
 from workers.lora.peft_files import LoraAdapter, LoraModule
 from workers.lora.slots import LoraSlots
 from workers.model.cpu_linear import PackedLinear
@@ -131,24 +131,34 @@ class LoraManager:
 
     @staticmethod
     def segments(decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]) -> LoraSegments | None:
-        """Runs of packed rows sharing an adapter (decodes first, one row each, then each
-        prefill chunk); None when no row has an adapter."""
-        runs: list[tuple[int, int, int]] = []
-        row = 0
-        for chunk in decodes + prefills:
-            slot, end = chunk.seq.lora_slot, row + chunk.num_tokens
-            if slot is not None:
-                if runs and runs[-1][0] == slot and runs[-1][2] == row:
-                    runs[-1] = (slot, runs[-1][1], end)
-                else:
-                    runs.append((slot, row, end))
-            row = end
-        return LoraSegments(tuple(runs)) if runs else None
+        """Runs of packed rows sharing an adapter (decodes first, one row each, sorted by
+        slot; then each prefill chunk), the decode runs grouped where that pays; None when
+        no row has an adapter."""
+        decode_runs = _runs(decodes, 0)
+        prefill_runs = _runs(prefills, sum(c.num_tokens for c in decodes))
+        if not decode_runs and not prefill_runs:
+            return None
+        grouped = GroupedRuns.of(decode_runs)
+        return LoraSegments(tuple(prefill_runs if grouped else decode_runs + prefill_runs), grouped)
 
     def row_slots(self, decodes: list[ScheduledChunk]) -> list[int]:
         """Each decode's slot, `max_loras` for none (a CUDA graph's slot-index input)."""
         none = self.limits.max_loras
         return [none if c.seq.lora_slot is None else c.seq.lora_slot for c in decodes]
+
+
+def _runs(chunks: list[ScheduledChunk], row: int) -> list[tuple[int, int, int]]:
+    """(slot, first row, end row) of each run of consecutive chunks with one adapter, packed from `row`."""
+    runs: list[tuple[int, int, int]] = []
+    for chunk in chunks:
+        slot, end = chunk.seq.lora_slot, row + chunk.num_tokens
+        if slot is not None:
+            if runs and runs[-1][0] == slot and runs[-1][2] == row:
+                runs[-1] = (slot, runs[-1][1], end)
+            else:
+                runs.append((slot, row, end))
+        row = end
+    return runs
 
 
 def _slot_key(seq: Sequence) -> int:

@@ -217,7 +217,9 @@ def test_a_step_computes_one_run_per_adapter(paged_model, tiny_tokenizer, adapte
     engine.lora.context.active = recording
     run_to_completion(engine)
     prefill, decode = steps[0], steps[1]  # every prompt in the first step, then one token each
-    assert len(prefill.runs) == 3 and len(decode.runs) == 3  # interleaved requests, one run per adapter
+    # Interleaved requests, one run per adapter; the decode runs taken by batched products.
+    assert len(prefill.runs) == 3 and prefill.grouped is None
+    assert decode.runs == () and len(decode.grouped.slots) == 3 and decode.grouped.lengths == (2, 2, 2)
     assert [run[1] for run in prefill.runs] == sorted(run[1] for run in prefill.runs)
     # Layers an adapter leaves alone skip its run: mlp-r2 adapts gate_proj and down_proj only.
     slot = engine.lora.slots.slot_of(adapter_requests["mlp-r2"].key)
