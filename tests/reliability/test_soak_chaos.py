@@ -41,9 +41,10 @@ APP = "chaos"
 
 @pytest.fixture(scope="module")
 def chaos_app(serve_instance, tmp_path_factory):
-    # The soak's app, with two worker replicas of one torch thread each. Power of two choices rather than prefix-aware
-    # routing: the soak's few prompts could all go to one replica, leaving none in flight on
-    # the one killed (then nothing would resume and the test would prove nothing).
+    # The soak's app, with two worker replicas of one torch thread each. Power of two
+    # choices rather than prefix-aware routing: the soak's few prompts could all go to one
+    # replica, leaving none in flight on the one killed (then nothing would resume and the
+    # test would prove nothing).
     args = with_worker_replicas(soak_app_args(tmp_path_factory.mktemp("chaos_model")), 2)
     args["models"][0]["routing"] = {"prefix_aware": False}
     yield run_app(serve_instance, APP, args)

@@ -56,6 +56,16 @@ def run_to_completion(engine: LLMEngine, max_steps: int = 2000) -> dict[int, lis
     raise AssertionError("engine did not finish")
 
 
+def tokens_by_choice(events: list) -> dict[int, list[int]]:
+    """One request's sampled token ids per choice (events with no token, as a finished
+    beam's or an error's, left out)."""
+    choices: dict[int, list[int]] = {}
+    for event in events:
+        if event.token_id >= 0:
+            choices.setdefault(event.index, []).append(event.token_id)
+    return choices
+
+
 def greedy_outputs(engine: LLMEngine, prompts: list[list[int]], max_tokens: list[int],
                    loras: list[str | None] | None = None) -> list[list[int]]:
     """Add every prompt at once (greedy, EOS ignored; `loras`: each one's adapter key), run

@@ -20,7 +20,7 @@ import random
 
 import torch
 
-from tests.support.engines import make_engine, run_to_completion
+from tests.support.engines import make_engine, run_to_completion, tokens_by_choice
 from tests.support.tiny_models import build_tiny_llama, build_tokenizer
 from workers.contract.sampling_params import SamplingParams
 from workers.model.attention import register_paged_attention
@@ -34,14 +34,7 @@ def run_batch(model, requests: list[tuple[list[int], SamplingParams]]) -> list[d
     engine = make_engine(model, num_blocks=2048, block_size=16)
     ids = [engine.add_request(prompt, params) for prompt, params in requests]
     events = run_to_completion(engine, max_steps=10_000)
-    outputs = []
-    for request_id in ids:
-        choices: dict[int, list[int]] = {}
-        for event in events.get(request_id, []):
-            if event.token_id >= 0:
-                choices.setdefault(event.index, []).append(event.token_id)
-        outputs.append(choices)
-    return outputs
+    return [tokens_by_choice(events.get(request_id, [])) for request_id in ids]
 
 
 def main() -> None:

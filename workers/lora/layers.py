@@ -37,12 +37,17 @@ from torch import nn
 @dataclass
 class GroupedRuns:
     """Runs of consecutive rows (the step's decode rows with an adapter, sorted by slot),
-    each taken as one [length, features] slice of a batched product. Tensors are made
-    once per step, by the first layer that needs them."""
+    each taken as one [length, features] slice of a batched product. Made once per step
+    (`of`), with what every layer reads; tensors are made by the first layer that needs them."""
 
     slots: tuple[int, ...]  # each run's slot, ascending
     starts: tuple[int, ...]  # each run's first row in the packed step
     lengths: tuple[int, ...]
+    length: int  # the longest run: shorter ones are padded to it
+    # (first, end) when the runs are equally long and back to back: the rows are then a
+    # [runs, length] view, with no gather or scatter.
+    rows: tuple[int, int] | None
+    slot_span: tuple[int, int] | None  # (first, end) when the slots are consecutive: the weights are then a view
     _cache: dict = field(default_factory=dict)
 
     @classmethod
@@ -50,28 +55,19 @@ class GroupedRuns:
         """Grouped when that saves calls (two runs or more) and padding at most doubles the rows."""
         if len(runs) < 2:
             return None
+        slots = tuple(slot for slot, _, _ in runs)
+        starts = tuple(start for _, start, _ in runs)
         lengths = tuple(end - start for _, start, end in runs)
-        if len(runs) * max(lengths) > 2 * sum(lengths):
+        length = max(lengths)
+        if len(runs) * length > 2 * sum(lengths):
             return None
-        return cls(tuple(r[0] for r in runs), tuple(r[1] for r in runs), lengths)
-
-    @property
-    def length(self) -> int:
-        return max(self.lengths)
-
-    @property
-    def rows(self) -> tuple[int, int] | None:
-        """(first, end) when every run has the same length: the rows are then a [runs,
-        length] view, with no gather or scatter."""
-        if any(n != self.lengths[0] for n in self.lengths):
-            return None
-        return self.starts[0], self.starts[0] + sum(self.lengths)
-
-    @property
-    def slot_span(self) -> tuple[int, int] | None:
-        """(first, end) when the slots are consecutive: the weights are then a view."""
-        first = self.slots[0]
-        return (first, first + len(self.slots)) if self.slots == tuple(range(first, first + len(self.slots))) else None
+        # Equal lengths and no row between runs: a [runs, length] view of the rows.
+        equal = starts == tuple(range(starts[0], starts[0] + len(runs) * length, length)) and \
+            all(n == length for n in lengths)
+        consecutive = slots == tuple(range(slots[0], slots[0] + len(slots)))
+        return cls(slots, starts, lengths, length,
+                   rows=(starts[0], starts[0] + sum(lengths)) if equal else None,
+                   slot_span=(slots[0], slots[0] + len(slots)) if consecutive else None)
 
     def slot_index(self, device: torch.device) -> torch.Tensor:
         key = ("slots", device)

@@ -33,6 +33,7 @@ def _forward(layer: LoraLinear, x: torch.Tensor, step: LoraSegments) -> torch.Te
     [(0, 2, 5), (1, 5, 8), (2, 8, 11), (3, 11, 14)],  # equal lengths, consecutive slots: views only
     [(0, 2, 3), (1, 3, 6), (3, 6, 8)],  # unequal lengths (padded), slot 2 absent (gathered weights)
     [(1, 0, 4), (2, 4, 8), (3, 8, 12)],  # equal, starting past slot 0
+    [(0, 0, 3), (1, 5, 8)],  # equal lengths with rows between them (gathered)
 ])
 @pytest.mark.parametrize("unadapted_slot", [None, 1])
 def test_grouped_runs_equal_runs_taken_one_by_one(runs, unadapted_slot):
@@ -54,4 +55,6 @@ def test_grouping_is_left_out_where_it_saves_nothing_or_pads_too_much():
     assert GroupedRuns.of([(0, 0, 8)]) is None  # one run: two products either way
     assert GroupedRuns.of([(0, 0, 1), (1, 1, 2), (2, 2, 12)]) is None  # 30 padded rows for 12
     assert GroupedRuns.of([(0, 0, 4), (1, 4, 9)]).rows is None  # unequal: gathered
+    assert GroupedRuns.of([(0, 0, 3), (1, 5, 8)]).rows is None  # not back to back: gathered
+    assert GroupedRuns.of([(0, 2, 5), (1, 5, 8)]).rows == (2, 8)
     assert GroupedRuns.of([(0, 0, 4), (2, 4, 8)]).slot_span is None

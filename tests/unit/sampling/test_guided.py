@@ -19,6 +19,7 @@ from tests.support.engines import (
     record_preemptions,
     run_to_completion,
     template_ids,
+    tokens_by_choice,
     with_async_engine,
 )
 from tests.support.tiny_models import build_tiny_llama
@@ -179,10 +180,7 @@ def test_n_choices_each_get_their_own_grammar_state(engine, tiny_tokenizer, prom
     schema = SCHEMAS["required-and-optional"]
     rid = engine.add_request(prompt, SamplingParams(max_tokens=64, temperature=1.0, seed=3, n=4,
                                                     guided=schema_guide(schema)))
-    events = run_to_completion(engine)[rid]
-    by_choice: dict[int, list[int]] = {}
-    for e in events:
-        by_choice.setdefault(e.index, []).append(e.token_id)
+    by_choice = tokens_by_choice(run_to_completion(engine)[rid])
     outs = [tiny_tokenizer.decode(by_choice[i], skip_special_tokens=True) for i in range(4)]
     for out in outs:
         jsonschema.validate(json.loads(out), schema)

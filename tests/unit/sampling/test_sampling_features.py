@@ -7,19 +7,12 @@ import dataclasses
 
 import torch
 
-from tests.support.engines import make_engine, run_to_completion
+from tests.support.engines import make_engine, run_to_completion, tokens_by_choice
 from workers.contract.sampling_params import SamplingParams
 
 
 def prompt_ids(tokenizer, text="The quick brown fox jumps over the lazy dog. Paris is") -> list[int]:
     return tokenizer(text)["input_ids"]
-
-
-def tokens_of(events) -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for e in events:
-        out.setdefault(e.index, []).append(e.token_id)
-    return out
 
 
 def test_n_choices_share_one_prefill_and_differ(paged_model, tiny_tokenizer):
@@ -36,7 +29,7 @@ def test_n_choices_share_one_prefill_and_differ(paged_model, tiny_tokenizer):
     engine.scheduler.schedule = counting_schedule
     params = SamplingParams(max_tokens=6, temperature=1.5, ignore_eos=True, n=3, seed=7)
     rid = engine.add_request(prompt, params)
-    choices = tokens_of(run_to_completion(engine)[rid])
+    choices = tokens_by_choice(run_to_completion(engine)[rid])
     assert sorted(choices) == [0, 1, 2]
     assert all(len(t) == 6 for t in choices.values())
     assert len({tuple(t) for t in choices.values()}) == 3  # distinct samples
@@ -52,10 +45,10 @@ def test_forked_choices_keep_correct_cache(paged_model, tiny_tokenizer):
     assert len(prompt) % 4 != 0
     single = make_engine(paged_model, block_size=4)
     rid = single.add_request(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
-    expected = tokens_of(run_to_completion(single)[rid])[0]
+    expected = tokens_by_choice(run_to_completion(single)[rid])[0]
     engine = make_engine(paged_model, block_size=4)
     rid = engine.add_request(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, n=3))
-    choices = tokens_of(run_to_completion(engine)[rid])
+    choices = tokens_by_choice(run_to_completion(engine)[rid])
     assert all(t == expected for t in choices.values())
 
 
@@ -65,7 +58,7 @@ def test_seeded_n_is_reproducible(paged_model, tiny_tokenizer):
     for _ in range(2):
         engine = make_engine(paged_model)
         rid = engine.add_request(prompt_ids(tiny_tokenizer), params)
-        runs.append(tokens_of(run_to_completion(engine)[rid]))
+        runs.append(tokens_by_choice(run_to_completion(engine)[rid]))
     assert runs[0] == runs[1]
 
 
@@ -73,7 +66,7 @@ def greedy_run(model, tokenizer, **params) -> list[int]:
     engine = make_engine(model)
     base = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     rid = engine.add_request(prompt_ids(tokenizer, "a"), dataclasses.replace(base, **params))
-    return tokens_of(run_to_completion(engine)[rid])[0]
+    return tokens_by_choice(run_to_completion(engine)[rid])[0]
 
 
 def repeats(tokens: list[int]) -> int:
