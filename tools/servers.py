@@ -1,7 +1,10 @@
-"""Waiting for a server the tools started (loopback only) to answer `GET /v1/models`."""
+"""Servers the tools start (loopback only): waiting for `GET /v1/models`, and stopping them
+with everything they started."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import time
 
@@ -22,3 +25,37 @@ def wait_ready(url: str, timeout_s: float = 300, process: subprocess.Popen | Non
             pass
         time.sleep(1)
     raise TimeoutError(f"{url} not ready after {timeout_s:.0f} s")
+
+
+def session_members(session_id: int) -> list[int]:
+    """Process ids in the session `session_id` (Linux /proc). Ray starts HAProxy and its
+    workers in process groups of their own, so a server's process group misses them while
+    its session (start_new_session=True) still holds them."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == session_id and fields[0] != "Z":  # fields[3] is the session id
+            members.append(int(entry))
+    return members
+
+
+def stop_session(process: subprocess.Popen, grace_s: float = 60) -> None:
+    """Stop a server started with start_new_session=True: SIGINT its process group, then
+    SIGKILL whatever of its session is left (an orphaned HAProxy otherwise keeps port 8000)."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGINT)
+        try:
+            process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    for pid in session_members(process.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

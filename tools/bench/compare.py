@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ from pathlib import Path
 import yaml
 
 from tools.bench.near_free_model import write_near_free_model
-from tools.servers import wait_ready
+from tools.servers import stop_session, wait_ready
 from workers.contract.model_config import BUILTIN_DEFAULT_MODEL
 from workers.model.loader import prepare_model_dir
 
@@ -91,17 +90,6 @@ def run(cmd: list[str], **kwargs) -> None:
     subprocess.run(cmd, check=True, cwd=REPO, **kwargs)
 
 
-def stop(process: subprocess.Popen) -> None:
-    """The server's whole process group, then (for Ray) whatever `ray stop` still finds."""
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGINT)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-
-
 def load(args, url: str, model_name: str, report: Path) -> None:
     run([sys.executable, "-m", "tools.bench.load", "--url", url, "--model", model_name, "--concurrency",
          *map(str, args.levels), "--max-tokens", str(args.max_tokens), "--json", str(report)])
@@ -124,7 +112,7 @@ def bench_serve(args, model: Model, config: Path, report: Path) -> None:
         wait_ready(f"http://127.0.0.1:{port}", 600, process)
         load(args, f"http://127.0.0.1:{port}", model.name, report)
     finally:
-        stop(process)
+        stop_session(process)
         subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], capture_output=True)
 
 
@@ -141,7 +129,7 @@ def bench_vllm(args, model: Model, report: Path) -> None:
         wait_ready(f"http://127.0.0.1:{VLLM_PORT}", 600, process)
         load(args, f"http://127.0.0.1:{VLLM_PORT}", model.name, report)
     finally:
-        stop(process)
+        stop_session(process)
 
 
 def levels(path: Path) -> dict[int, dict]:
