@@ -36,7 +36,8 @@ def session_members(session_id: int) -> list[int]:
         if not entry.isdigit():
             continue
         try:
-            fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
         except OSError:
             continue
         if int(fields[3]) == session_id and fields[0] != "Z":  # fields[3] is the session id
