@@ -10,6 +10,8 @@ import time
 
 import httpx
 
+from tools.procfs import process_ids, stat_fields
+
 
 def wait_ready(url: str, timeout_s: float = 300, process: subprocess.Popen | None = None) -> None:
     """Return once `url` serves its model list; raise if `process` (when given) exits first
@@ -32,16 +34,10 @@ def session_members(session_id: int) -> list[int]:
     workers in process groups of their own, so a server's process group misses them while
     its session (start_new_session=True) still holds them."""
     members = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
-        except OSError:
-            continue
-        if int(fields[3]) == session_id and fields[0] != "Z":  # fields[3] is the session id
-            members.append(int(entry))
+    for pid in process_ids():
+        fields = stat_fields(f"/proc/{pid}/stat")
+        if fields is not None and int(fields[3]) == session_id and fields[0] != "Z":
+            members.append(pid)
     return members
 
 
