@@ -37,6 +37,7 @@ import dataclasses
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -355,10 +356,11 @@ async def worker_level(processor, prompt: str, concurrency: int, num_requests: i
 
 
 async def start_worker(source: str, threads: int | None = None, dtype: str = "auto", pack: bool = True,
-                       fuse: bool = True, config_path: str = SERVE_CONFIG):
+                       fuse: bool = True, config_path: str = SERVE_CONFIG,
+                       on_build: Callable[[LLMEngine], None] | None = None):
     """(AsyncEngine, RequestProcessor) as the deployment builds them: the model loaded on
-    the engine's own thread, the engine limited as `config_path`'s first model. The caller
-    stops the engine."""
+    the engine's own thread, the engine limited as `config_path`'s first model. `on_build`
+    sees the engine before it starts. The caller stops the engine."""
     from workers.serving.async_engine import AsyncEngine
     from workers.serving.request_processor import RequestProcessor
 
@@ -370,7 +372,10 @@ async def start_worker(source: str, threads: int | None = None, dtype: str = "au
         loaded = load_model(source, dtype=dtype, attn_implementation=register_paged_attention(),
                             pack_cpu_weights=pack, fuse_projections=fuse)
         tokenizers.append(loaded.tokenizer)
-        return configured_engine(loaded.model, served_model_config(config_path), loaded.tokenizer)
+        engine = configured_engine(loaded.model, served_model_config(config_path), loaded.tokenizer)
+        if on_build is not None:
+            on_build(engine)
+        return engine
 
     engine = AsyncEngine.start_on_own_thread(build, asyncio.get_running_loop())
     return engine, RequestProcessor(engine, tokenizers[0])
