@@ -27,6 +27,23 @@ def process_ids() -> list[int]:
     return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
 
 
+def thread_ids(pid: int) -> list[int]:
+    """The threads of `pid` (its main thread's id is `pid`); empty when it is gone."""
+    try:
+        return [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []
+
+
+def read_text(path: str) -> str:
+    """A small /proc file (`cmdline`, `comm`) with its NULs as spaces; "" when it is gone."""
+    try:
+        with open(path, "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
 def involuntary_switches(task_dir: str) -> int:
     """How often the scheduler took the CPU away from this thread (or process) while it
     could still run: `nonvoluntary_ctxt_switches` in its status file; 0 when it is gone."""

@@ -15,7 +15,14 @@ import os
 import time
 from dataclasses import dataclass
 
-from tools.procfs import cpu_ticks, involuntary_switches, process_ids, stat_fields
+from tools.procfs import (
+    cpu_ticks,
+    involuntary_switches,
+    process_ids,
+    read_text,
+    stat_fields,
+    thread_ids,
+)
 
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
@@ -31,29 +38,9 @@ class Usage:
     preempted: int
 
 
-def _command_line(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return ""
-
-
-def _thread_name(task_dir: str) -> str:
-    try:
-        with open(os.path.join(task_dir, "comm")) as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
 def _preemptions_of_all_threads(pid: int) -> int:
     # /proc/<pid>/status counts the main thread's switches only; the model's are elsewhere.
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return 0
-    return sum(involuntary_switches(f"/proc/{pid}/task/{tid}") for tid in tids)
+    return sum(involuntary_switches(f"/proc/{pid}/task/{tid}") for tid in thread_ids(pid))
 
 
 def process_snapshot() -> dict[int, Usage]:
@@ -63,22 +50,19 @@ def process_snapshot() -> dict[int, Usage]:
     for pid in process_ids():
         fields = stat_fields(f"/proc/{pid}/stat")
         if fields is not None:
-            snapshot[pid] = Usage(pid, _command_line(pid), cpu_ticks(fields), _preemptions_of_all_threads(pid))
+            snapshot[pid] = Usage(pid, read_text(f"/proc/{pid}/cmdline"), cpu_ticks(fields),
+                                  _preemptions_of_all_threads(pid))
     return snapshot
 
 
 def thread_snapshot(pid: int) -> dict[int, Usage]:
     """The counters of each thread of `pid` now; empty when the process is gone."""
     snapshot = {}
-    try:
-        tids = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        return snapshot
-    for tid in tids:
+    for tid in thread_ids(pid):
         task_dir = f"/proc/{pid}/task/{tid}"
-        fields = stat_fields(os.path.join(task_dir, "stat"))
+        fields = stat_fields(f"{task_dir}/stat")
         if fields is not None:
-            snapshot[tid] = Usage(tid, _thread_name(task_dir), cpu_ticks(fields), involuntary_switches(task_dir))
+            snapshot[tid] = Usage(tid, read_text(f"{task_dir}/comm"), cpu_ticks(fields), involuntary_switches(task_dir))
     return snapshot
 
 
