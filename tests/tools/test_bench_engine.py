@@ -1,4 +1,5 @@
-"""tools.bench.engine's `worker` mode: the worker's request path in one process."""
+"""tools.bench.engine's modes: `worker` (the worker's request path in one process), `direct`
+(transformers' forward against the direct forward), `lora`; and the limits the offline engine takes."""
 
 from __future__ import annotations
 
@@ -61,6 +62,26 @@ def test_engine_limits_clip_the_window_and_keep_async_scheduling_to_cuda():
                                        "deployment": {"ray_actor_options": {"num_gpus": 1}}})
     assert engine_limits(cuda, 2048).async_scheduling is True
     assert engine_limits(cuda, 2048).max_model_len == 2048  # no configured length: the model's window
+
+
+def test_direct_mode_times_both_forwards(tiny_model_dir, capsys):
+    bench_engine.main(["--source", str(tiny_model_dir), "direct", "--batch", "1", "3", "--steps", "2",
+                       "--repeat", "2"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("batch=")]
+    assert len(lines) == 2
+    for line in lines:
+        sides = re.findall(r"(transformers|direct)\s+([\d.]+) ms/step", line)
+        assert [name for name, _ in sides] == ["transformers", "direct"] and all(float(ms) > 0 for _, ms in sides)
+        assert re.search(r"median speed-up [\d.]+x$", line)
+
+
+def test_the_direct_forward_is_a_config_choice():
+    from workers.contract.model_config import ModelConfig
+    from workers.engine.limits import engine_limits
+
+    assert engine_limits(ModelConfig.model_validate({"id": "m"}), 2048).direct_forward is True
+    off = ModelConfig.model_validate({"id": "m", "engine": {"direct_forward": False}})
+    assert engine_limits(off, 2048).direct_forward is False
 
 
 def test_lora_mode_compares_adapter_rows_with_the_base_model(tiny_model_dir, capsys):

@@ -4,6 +4,7 @@
     python -m tools.bench.engine decode --batch 1 16 --guided # also: every row under a JSON schema
     python -m tools.bench.engine packing   # raw decode step: plain vs oneDNN-packed weights, alternating
     python -m tools.bench.engine fusion    # raw decode step: separate vs fused q/k/v and gate/up
+    python -m tools.bench.engine direct    # engine decode step: transformers' forward vs the direct forward
     python -m tools.bench.engine offline --concurrency 1 16 32 64 --max-tokens 64
     python -m tools.bench.engine worker --concurrency 1 32  # the worker's request path, no Ray
     python -m tools.bench.engine prefix --prefix-tokens 1000  # TTFT: first vs second request sharing a prefix
@@ -114,9 +115,11 @@ def raw_decode_ms(model, prompt_ids: list[int], batch: int, steps: int) -> float
     return (time.perf_counter() - start) / steps * 1000
 
 
-def engine_decode_ms(model, prompt_ids: list[int], batch: int, steps: int, tokenizer=None) -> tuple[float, float]:
-    """(ms per decode step, ms of it spent on the grammar mask); guided when `tokenizer` is given."""
-    engine = new_engine(model, tokenizer)
+def engine_decode_ms(model, prompt_ids: list[int], batch: int, steps: int, tokenizer=None,
+                     **limits) -> tuple[float, float]:
+    """(ms per decode step, ms of it spent on the grammar mask); guided when `tokenizer` is
+    given; `limits`: EngineLimits fields."""
+    engine = new_engine(model, tokenizer, **limits)
     guided = GuidedDecoding("json_schema", json.dumps(BENCH_SCHEMA)) if tokenizer is not None else None
     for _ in range(batch):
         engine.add_request(prompt_ids, SamplingParams(max_tokens=steps + 8, temperature=0.8, ignore_eos=True,
@@ -203,19 +206,38 @@ def run_fusion(args, loaded) -> None:
     alternate_decode_steps(args, loaded.tokenizer(PROMPT)["input_ids"], {"separate": model, "fused": fused})
 
 
+def run_direct(args, loaded) -> None:
+    """The engine's decode step through transformers' forward against the direct forward
+    (workers/model/direct_forward.py), alternating in one process."""
+    prompt_ids = loaded.tokenizer(PROMPT)["input_ids"]
+    variants = {"transformers": False, "direct": True}
+    for batch in args.batch:
+        runs: dict[str, list[float]] = {name: [] for name in variants}
+        for _ in range(args.repeat):
+            for name, direct in variants.items():
+                runs[name].append(engine_decode_ms(loaded.model, prompt_ids, batch, args.steps,
+                                                   direct_forward=direct)[0])
+        print(alternation_line(batch, runs), flush=True)
+
+
 @torch.inference_mode()
 def alternate_decode_steps(args, prompt_ids: list[int], models: dict[str, torch.nn.Module]) -> None:
-    """Per batch size: `args.repeat` rounds, each timing every model once in turn; the
-    medians (and the fastest) side by side, and the speed-up of the last over the first."""
-    (first, *_, last) = models
+    """Per batch size: `args.repeat` rounds, each timing every model once in turn."""
     for batch in args.batch:
         runs: dict[str, list[float]] = {name: [] for name in models}
         for _ in range(args.repeat):
             for name, model in models.items():
                 runs[name].append(raw_decode_ms(model, prompt_ids, batch, args.steps))
-        med = {name: statistics.median(times) for name, times in runs.items()}
-        sides = "   ".join(f"{name} {med[name]:7.1f} ms/step (min {min(runs[name]):7.1f})" for name in models)
-        print(f"batch={batch:<3} {sides}   median speed-up {med[first] / med[last]:.2f}x", flush=True)
+        print(alternation_line(batch, runs), flush=True)
+
+
+def alternation_line(batch: int, runs: dict[str, list[float]]) -> str:
+    """The variants' median (and fastest) ms per step side by side, and the speed-up of the
+    last over the first."""
+    (first, *_, last) = runs
+    med = {name: statistics.median(times) for name, times in runs.items()}
+    sides = "   ".join(f"{name} {med[name]:7.1f} ms/step (min {min(runs[name]):7.1f})" for name in runs)
+    return f"batch={batch:<3} {sides}   median speed-up {med[first] / med[last]:.2f}x"
 
 
 # --- offline: the serving load, straight into the engine ----------------------------------
@@ -500,6 +522,11 @@ def main(argv: list[str] | None = None) -> None:
     fusion.add_argument("--batch", type=int, nargs="+", default=[1, 16, 32, 64])
     fusion.add_argument("--steps", type=int, default=10)
     fusion.add_argument("--repeat", type=int, default=5)
+    direct = sub.add_parser("direct", help="engine decode step, transformers' forward vs the direct forward, "
+                            "alternating")
+    direct.add_argument("--batch", type=int, nargs="+", default=[1, 16, 32, 64])
+    direct.add_argument("--steps", type=int, default=10)
+    direct.add_argument("--repeat", type=int, default=5)
     serving_load = argparse.ArgumentParser(add_help=False)  # tools.bench.load's load, for offline and worker
     serving_load.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 32, 64])
     serving_load.add_argument("--num-requests", type=int, default=None, help="per level; default 2 x concurrency, >= 8")
@@ -540,7 +567,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command != "decode":
         loaded.model.set_attn_implementation(register_paged_attention())
     commands = {"decode": run_decode, "packing": run_packing, "fusion": run_fusion, "offline": run_offline,
-                "prefix": run_prefix, "fairness": run_fairness, "lora": run_lora}
+                "prefix": run_prefix, "fairness": run_fairness, "lora": run_lora, "direct": run_direct}
     commands[args.command](args, loaded)
 
 

@@ -28,6 +28,7 @@ class EngineLimits:
     priority_scheduling: bool = False  # admit and preempt by the requests' priority (see SchedulerConfig)
     cuda_graph_max_batch: int = 0  # CUDA: decode steps up to this batch replay graphs (0: off)
     async_scheduling: bool = False  # launch the next decode step before reading this one's tokens
+    direct_forward: bool = True  # CPU: Llama-shaped models skip transformers' modules (direct_forward.py)
     lora: LoraLimits | None = None  # LoRA adapters served (None: no LoRA layers in the model)
 
 
@@ -50,6 +51,7 @@ def engine_limits(config: ModelConfig, model_window: int) -> EngineLimits:
         priority_scheduling=eng.scheduling_policy == "priority",
         cuda_graph_max_batch=eng.cuda_graph_max_batch_size,
         async_scheduling=eng.async_scheduling and config.device == "cuda",  # no overlap to win on a CPU
+        direct_forward=eng.direct_forward,
         lora=LoraLimits(config.lora.max_loras, config.lora.max_lora_rank) if config.lora is not None else None,
     )
 

@@ -11,6 +11,7 @@ import torch
 from workers.engine.limits import EngineLimits
 from workers.lora.manager import LoraManager
 from workers.model.cuda_graphs import DecodeGraphs
+from workers.model.direct_forward import direct_forward_for
 from workers.model.kv_cache import KVCacheShape, PagedKVCache
 from workers.model.runner import ModelRunner
 from workers.model.triton_attention import triton_available
@@ -23,6 +24,7 @@ logger = logging.getLogger(__name__)
 class DecodePath:
     triton: bool  # decode rows run the paged Triton kernel
     graphs: bool  # decode steps replay CUDA graphs (they need the Triton kernel)
+    direct: bool = False  # Llama-shaped models run chatserve's own forward (direct_forward.py)
 
 
 def kv_pool(model: torch.nn.Module, limits: EngineLimits) -> tuple[KVCacheShape, int]:
@@ -43,7 +45,10 @@ def decode_path(device: torch.device, limits: EngineLimits) -> DecodePath:
     if use_graphs and not triton_decode:
         logger.warning("CUDA graphs need the Triton decode kernel (triton not importable): decode runs eager")
         use_graphs = False
-    return DecodePath(triton_decode, use_graphs)
+    # CPU only: what it saves is Python and dispatch time, which CUDA graphs already
+    # take out of a GPU's decode steps (and it has not been measured on a GPU).
+    direct = device.type == "cpu" and limits.direct_forward and limits.lora is None
+    return DecodePath(triton_decode, use_graphs, direct)
 
 
 def model_runner(model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device, path: DecodePath,
@@ -51,6 +56,8 @@ def model_runner(model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.d
     """The runner, with its decode graphs captured when `path` says so (with and without
     LoRA rows when `lora` is given)."""
     runner = ModelRunner(model, kv_cache, device, triton_decode=path.triton, lora=lora)
+    if path.direct and lora is None:
+        runner.direct = direct_forward_for(model)
     if path.graphs:
         graphs = DecodeGraphs(model, kv_cache, min(limits.cuda_graph_max_batch, limits.max_num_seqs),
                               limits.max_model_len, vocab_size, lora)

@@ -10,7 +10,9 @@ paged kernel that reads each context straight from the cache (triton_attention.p
 also runs inside the decode CUDA graphs), elsewhere by one SDPA call over a padded gather
 of their context. Prefill chunks are attended one sequence at a time.
 Because the hook is transformers' own `AttentionInterface`, every causal LM that
-transformers defines runs on this cache without a model rewrite.
+transformers defines runs on this cache without a model rewrite. The hook's work is
+`attend_packed`, in the packed `[T, heads, head_dim]` layout, which the direct forward of
+Llama-shaped models (direct_forward.py) calls without transformers' modules around it.
 """
 
 from __future__ import annotations
@@ -77,42 +79,49 @@ def paged_attention(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    meta: AttentionMetadata = kwargs["attn_metadata"]
+    """transformers' attention hook: query [1, H, T, Dh], key/value [1, KVH, T, Dh] (after
+    RoPE) -> ([1, T, H, Dh], None)."""
     layer = LayerAttention.of(query.shape[-1], scaling, kwargs)
-    k_cache, v_cache = meta.kv_cache.layer(module.layer_idx)
-    # query: [1, H, T, Dh]; key/value: [1, KVH, T, Dh] (after RoPE).
-    k_cache.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
-    v_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
+    out = attend_packed(module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
+                        value[0].transpose(0, 1), kwargs["attn_metadata"], layer)
+    return out.unsqueeze(0), None
 
-    q = query[0]  # [H, T, Dh]
-    out = q.new_empty(q.shape[1], q.shape[0], q.shape[2])  # [T, H, Dh]
+
+def attend_packed(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                  layer: LayerAttention) -> torch.Tensor:
+    """One layer's attention over the packed batch, in the packed layout: q [T, H, Dh] and
+    the new tokens' k/v [T, KVH, Dh] -> [T, H, Dh]. Writes k/v into their cache slots first."""
+    k_cache, v_cache = meta.kv_cache.layer(layer_idx)
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    out = q.new_empty(q.shape)
     num_decode = meta.num_decode_tokens
     if num_decode:
-        _attend_decodes(q[:, :num_decode], k_cache, v_cache, meta, layer, out[:num_decode])
+        _attend_decodes(q[:num_decode], k_cache, v_cache, meta, layer, out[:num_decode])
     for span in meta.prefills:
-        qp = q[:, span.start : span.end].unsqueeze(0)  # [1, H, q, Dh]
+        qp = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, Dh]
         if span.context_slots is None:
-            kp = key[:, :, span.start : span.end]
-            vp = value[:, :, span.start : span.end]
+            kp = k[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, KVH, kv, Dh]
+            vp = v[span.start : span.end].transpose(0, 1).unsqueeze(0)
         else:
-            kp = k_cache[span.context_slots].transpose(0, 1).unsqueeze(0)  # [1, KVH, kv, Dh]
+            kp = k_cache[span.context_slots].transpose(0, 1).unsqueeze(0)
             vp = v_cache[span.context_slots].transpose(0, 1).unsqueeze(0)
         mask = span.mask
         if layer.window is not None:
             mask = _causal_mask(qp.shape[2], kp.shape[2], q.device, layer.window)
         out[span.start : span.end] = _attend(qp, kp, vp, mask, layer)[0].transpose(0, 1)
-    return out.unsqueeze(0), None
+    return out
 
 
 def _attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     layer: LayerAttention, out: torch.Tensor) -> None:
-    """q [H, D, Dh] (one query per decode row) -> out [D, H, Dh]."""
+    """q [D, H, Dh] (one query per decode row) -> out [D, H, Dh]."""
     block_size = meta.kv_cache.block_size
     if meta.triton_decode:
-        paged_decode_attention(q.transpose(0, 1), k_cache, v_cache, meta.decode_blocks, meta.decode_context_lens,
+        paged_decode_attention(q, k_cache, v_cache, meta.decode_blocks, meta.decode_context_lens,
                                block_size, layer.scale, out=out, sliding_window=layer.window, softcap=layer.softcap)
         return
-    qd = q.transpose(0, 1).unsqueeze(2)  # [D, H, 1, Dh]
+    qd = q.unsqueeze(2)  # [D, H, 1, Dh]
     kd = _gather_blocks(k_cache, meta.decode_blocks, block_size)  # [D, KVH, W*bs, Dh]
     vd = _gather_blocks(v_cache, meta.decode_blocks, block_size)
     mask = meta.decode_mask

@@ -30,6 +30,7 @@ from workers.model.multimodal import ImageFeatures, ImageInputs, encode_images
 if TYPE_CHECKING:
     from workers.lora.manager import LoraManager
     from workers.model.cuda_graphs import DecodeGraphs
+    from workers.model.direct_forward import DirectForward
 
 
 @dataclass
@@ -55,6 +56,7 @@ class ModelRunner:
         self.device = device
         self.triton_decode = triton_decode
         self.decode_graphs: DecodeGraphs | None = None  # set by the engine on CUDA
+        self.direct: DirectForward | None = None  # set by the engine for Llama-shaped models without LoRA
 
     @torch.inference_mode()
     def forward(
@@ -75,6 +77,9 @@ class ModelRunner:
             if decode_token_ids is not None:
                 decode_token_ids = decode_token_ids[torch.tensor(order, device=decode_token_ids.device)]
         inputs = self.prepare(decodes, prefills, decode_token_ids)
+        if self.direct is not None and order is None and inputs.image_embeds is None:
+            logits = self.direct(inputs.input_ids, inputs.position_ids, inputs.attn_metadata, inputs.logits_indices)
+            return logits[0].float(), inputs.prompt_rows
         if inputs.image_embeds is None:
             feed = {"input_ids": inputs.input_ids}
         else:

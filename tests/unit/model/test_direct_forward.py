@@ -1,0 +1,161 @@
+"""The direct forward of Llama-shaped models (workers/model/direct_forward.py): the same
+logits as transformers' forward over the paged cache, bit for bit, through the engine's
+chunked prefills, prefix-cache hits and decodes; and the models it must leave alone."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from tests.support.engines import make_engine
+from workers.contract.sampling_params import SamplingParams
+from workers.engine.limits import LoraLimits
+from workers.model.attention import register_paged_attention
+from workers.model.cpu_linear import pack_linear_layers
+from workers.model.direct_forward import DirectForward, unsupported_reason
+from workers.model.fused_projections import fuse_sibling_projections
+
+VOCAB = 300
+WINDOW = 6
+SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def _init(model):
+    torch.manual_seed(0)
+    with torch.no_grad():  # weights larger than the default init, biases non-zero: every term shows
+        for p in model.parameters():
+            p.normal_(0, 0.2) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+def llama():
+    return _init(LlamaForCausalLM(LlamaConfig(**SHAPE)))
+
+
+def llama3_rope():
+    rope = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_position_embeddings=16, rope_theta=10000.0)
+    return _init(LlamaForCausalLM(LlamaConfig(**SHAPE, rope_parameters=rope)))
+
+
+def mistral_sliding():
+    return _init(MistralForCausalLM(MistralConfig(**SHAPE, sliding_window=WINDOW)))
+
+
+def qwen2_sliding_bias():
+    # Qwen2's q/k/v carry biases; its later layer slides (max_window_layers=1).
+    config = Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
+    assert config.layer_types == ["full_attention", "sliding_attention"]
+    return _init(Qwen2ForCausalLM(config))
+
+
+def prepared(model, pack: bool):
+    model = copy.deepcopy(model)
+    fuse_sibling_projections(model)
+    if pack:
+        pack_linear_layers(model, float32=True)
+    model.set_attn_implementation(register_paged_attention())
+    return model
+
+
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(4)
+    base = torch.randint(3, VOCAB, (21,), generator=gen).tolist()
+    # Longer than the window, shorter, one sharing a prefix (prefix-cache blocks), one unrelated.
+    return [base, base[:4], base[:16] + [7, 8, 9], torch.randint(3, VOCAB, (11,), generator=gen).tolist()]
+
+
+def run(model, direct: bool, budget: int) -> tuple[list[list[tuple[int, float]]], list[torch.Tensor]]:
+    """Each request's (token, logprob) and every step's logits, the first request alone
+    first (so the third hits its prefix in the cache), then the rest together."""
+    engine = make_engine(model, num_blocks=64, max_num_batched_tokens=budget, direct_forward=direct)
+    assert (engine.runner.direct is not None) == direct
+    forward = engine.runner.forward
+    logits: list[torch.Tensor] = []
+
+    def recording(*args, **kwargs):
+        out, rows = forward(*args, **kwargs)
+        logits.append(out.clone())
+        return out, rows
+
+    engine.runner.forward = recording
+    batch, max_tokens = prompts(), [12, 14, 9, 10]
+    outputs = []
+    for group in ([0], [1, 2, 3]):
+        ids = [engine.add_request(batch[i], SamplingParams(max_tokens=max_tokens[i], temperature=0.0,
+                                                           ignore_eos=True, logprobs=0)) for i in group]
+        events: dict[int, list] = {i: [] for i in ids}
+        while engine.has_work():
+            for ev in engine.step():
+                events[ev.request_id].append((ev.token_id, ev.logprob))
+        outputs += [events[i] for i in ids]
+    assert engine.blocks.hit_tokens > 0
+    return outputs, logits
+
+
+@pytest.mark.parametrize("build", [llama, llama3_rope, mistral_sliding, qwen2_sliding_bias],
+                         ids=["llama", "llama3-rope", "mistral-sliding-window", "qwen2-bias-sliding-layer"])
+@pytest.mark.parametrize("pack", [False, True], ids=["plain", "packed"])
+@pytest.mark.parametrize("budget", [64, 5], ids=["whole-prompts", "chunked-prefill"])
+def test_direct_forward_gives_transformers_logits_bit_for_bit(build, pack, budget):
+    model = prepared(build(), pack)
+    want, want_logits = run(model, direct=False, budget=budget)
+    got, got_logits = run(model, direct=True, budget=budget)
+    assert got == want
+    assert len(got_logits) == len(want_logits)
+    for step, (a, b) in enumerate(zip(got_logits, want_logits)):
+        assert torch.equal(a, b), f"step {step}: max difference {(a - b).abs().max().item()}"
+
+
+def test_the_check_can_fail():
+    """The same comparison against a model whose window differs: the logits move, so the
+    test above would catch a direct forward that dropped the window."""
+    model = prepared(mistral_sliding(), pack=False)
+    wide = copy.deepcopy(model)
+    wide.config.sliding_window = 10**6
+    _, direct_logits = run(model, direct=True, budget=64)
+    _, wide_logits = run(wide, direct=False, budget=64)
+    assert any(not torch.equal(a, b) for a, b in zip(direct_logits, wide_logits))
+
+
+def test_bfloat16_norms_run_the_models_own_rounding():
+    model = prepared(llama(), pack=False).to(torch.bfloat16)
+    want, _ = run(model, direct=False, budget=64)
+    got, _ = run(model, direct=True, budget=64)
+    assert got == want
+
+
+def gemma2():
+    return _init(Gemma2ForCausalLM(Gemma2Config(**SHAPE, head_dim=16, query_pre_attn_scalar=16)))
+
+
+def test_models_it_was_not_written_for_keep_transformers_forward():
+    assert "not a Llama-shaped family" in unsupported_reason(prepared(gemma2(), pack=False))
+    unfused = llama()
+    assert "not fused" in unsupported_reason(unfused)
+    with pytest.raises(ValueError, match="not fused"):
+        DirectForward(unfused)
+    engine = make_engine(prepared(gemma2(), pack=False), num_blocks=64)
+    assert engine.runner.direct is None
+
+
+def test_off_by_config_and_with_lora():
+    model = prepared(llama(), pack=False)
+    assert make_engine(model, num_blocks=64).runner.direct is not None
+    assert make_engine(model, num_blocks=64, direct_forward=False).runner.direct is None
+    # LoRA layers wrap the projections in place: a model of its own.
+    lora_model = prepared(llama(), pack=False)
+    assert make_engine(lora_model, num_blocks=64, lora=LoraLimits(max_loras=1, max_rank=4)).runner.direct is None

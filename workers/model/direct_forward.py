@@ -1,0 +1,176 @@
+"""Llama-shaped decoders run by a loop of chatserve's own over their layers.
+
+transformers' forward of a Llama layer goes through some twenty module calls, decorators
+and keyword plumbing, and its RMSNorm and rotary embedding are about twenty small tensor
+operators between them. On a CPU every call and operator costs microseconds of Python and
+dispatch whatever the batch: at batch 1 on the default model they were a third of the
+decode step, as much as the linear layers (docs/BENCHMARKS.md). This forward calls the
+same weights with the fewest operators: one fused RMSNorm (float32), the fused q/k/v and
+gate/up products, q and k rotated in one pass, and the paged attention in its packed
+layout (`attend_packed`). It computes what transformers' modules compute, in the same
+order, so the logits are the same bit for bit (tests/unit/model/test_direct_forward.py).
+
+It runs only what it was written for: Llama, Mistral and Qwen2 models with their sibling
+projections fused (fused_projections.py), rotary positions, plain RMSNorm and a gated MLP.
+Anything else (other families, LoRA layers, images) runs transformers' forward.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.model.attention import AttentionMetadata, LayerAttention, attend_packed
+from workers.model.fused_projections import ProjectionSlice
+
+logger = logging.getLogger(__name__)
+
+Norm = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _layer_window(model: nn.Module, attn: nn.Module) -> int | None:
+    """The layer's sliding window, as transformers' attention of the family passes it."""
+    kind = type(model).__name__
+    if kind == "MistralForCausalLM":
+        return getattr(model.config, "sliding_window", None)
+    if kind == "Qwen2ForCausalLM":
+        return attn.sliding_window
+    return None
+
+
+# The families whose decoder layer is exactly Llama's (pre-norm attention and gated MLP,
+# residual adds, no extra norms or scales), with their RMSNorm class.
+FAMILIES = {
+    "LlamaForCausalLM": "LlamaRMSNorm",
+    "MistralForCausalLM": "MistralRMSNorm",
+    "Qwen2ForCausalLM": "Qwen2RMSNorm",
+}
+
+
+@dataclass(frozen=True)
+class _Layer:
+    index: int
+    input_norm: Norm
+    qkv: nn.Module  # the fused q/k/v product: [T, hidden] -> [T, (H + 2 KVH) * Dh]
+    o_proj: nn.Module
+    post_norm: Norm
+    gate_up: nn.Module  # the fused gate/up product: [T, hidden] -> [T, 2 * I]
+    act: nn.Module
+    down_proj: nn.Module
+    attention: LayerAttention
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+
+
+def _rms_norm(module: nn.Module) -> Norm:
+    """float32: torch's fused RMSNorm (what transformers' module computes, in one operator);
+    other dtypes: the module itself, which rounds its normalized input to the model's dtype
+    before the weight multiplies it."""
+    weight, eps = module.weight, module.variance_epsilon
+    if weight.dtype != torch.float32:
+        return module
+    shape = (weight.shape[0],)
+    return lambda x: F.rms_norm(x, shape, weight, eps)
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why `model` cannot run the direct forward, or None when it can."""
+    kind = type(model).__name__
+    if kind not in FAMILIES:
+        return f"{kind} is not a Llama-shaped family ({', '.join(FAMILIES)})"
+    norm_class = FAMILIES[kind]
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm") and type(module).__name__ != norm_class:
+            return f"an RMSNorm of another class ({type(module).__name__})"
+    for index, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        if not all(isinstance(getattr(attn, name), ProjectionSlice) for name in ("q_proj", "k_proj", "v_proj")):
+            return f"layer {index}'s q/k/v projections are not fused"
+        if not all(isinstance(getattr(mlp, name), ProjectionSlice) for name in ("gate_proj", "up_proj")):
+            return f"layer {index}'s gate/up projections are not fused"
+        if type(attn.o_proj).__name__ not in ("Linear", "PackedLinear"):
+            return f"layer {index}'s o_proj is a {type(attn.o_proj).__name__}"
+        if type(mlp.down_proj).__name__ not in ("Linear", "PackedLinear"):
+            return f"layer {index}'s down_proj is a {type(mlp.down_proj).__name__}"
+    return None
+
+
+class DirectForward:
+    """The model's logits for one packed step, without transformers' module calls."""
+
+    def __init__(self, model: nn.Module):
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"the direct forward cannot run this model: {reason}")
+        config, body = model.config, model.model
+        self.embed = body.embed_tokens
+        self.rotary = body.rotary_emb
+        self.final_norm = _rms_norm(body.norm)
+        self.lm_head = model.lm_head
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.layers = [self._layer(model, index, layer, heads, kv_heads) for index, layer in enumerate(body.layers)]
+
+    @staticmethod
+    def _layer(model: nn.Module, index: int, layer: nn.Module, heads: int, kv_heads: int) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        return _Layer(
+            index=index,
+            input_norm=_rms_norm(layer.input_layernorm),
+            qkv=attn.q_proj.fused.linear,
+            o_proj=attn.o_proj,
+            post_norm=_rms_norm(layer.post_attention_layernorm),
+            gate_up=mlp.gate_proj.fused.linear,
+            act=mlp.act_fn,
+            down_proj=mlp.down_proj,
+            attention=LayerAttention(attn.scaling, _layer_window(model, attn), None),
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=attn.head_dim,
+            intermediate=mlp.gate_proj.out_features,
+        )
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, meta: AttentionMetadata,
+                 logits_to_keep: torch.Tensor) -> torch.Tensor:
+        """input_ids, position_ids [1, T]; the logits of the `logits_to_keep` rows [1, K, vocab]
+        in the model's dtype, as transformers' forward returns them."""
+        x = self.embed(input_ids[0])  # [T, hidden]
+        cos, sin = self.rotary(x, position_ids)
+        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, Dh]: one angle per position, every head
+        for layer in self.layers:
+            x = x + self._attention(layer, layer.input_norm(x), cos, sin, meta)
+            x = x + self._mlp(layer, layer.post_norm(x))
+        return self.lm_head(self.final_norm(x[logits_to_keep])).unsqueeze(0)
+
+    @staticmethod
+    def _attention(layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   meta: AttentionMetadata) -> torch.Tensor:
+        tokens, heads, kv_heads = h.shape[0], layer.heads, layer.kv_heads
+        qkv = layer.qkv(h).view(tokens, heads + 2 * kv_heads, layer.head_dim)
+        qk = qkv[:, : heads + kv_heads]  # q and k heads side by side: rotated in one pass
+        half = layer.head_dim // 2
+        qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+        out = attend_packed(layer.index, qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :], meta,
+                            layer.attention)
+        return layer.o_proj(out.view(tokens, heads * layer.head_dim))
+
+    @staticmethod
+    def _mlp(layer: _Layer, h: torch.Tensor) -> torch.Tensor:
+        gate_up = layer.gate_up(h)
+        return layer.down_proj(layer.act(gate_up[:, : layer.intermediate]) * gate_up[:, layer.intermediate :])
+
+
+def direct_forward_for(model: nn.Module) -> DirectForward | None:
+    """The direct forward of `model`, or None (logged) when it must run transformers'."""
+    reason = unsupported_reason(model)
+    if reason is not None:
+        logger.info("transformers' forward: %s", reason)
+        return None
+    return DirectForward(model)
