@@ -10,9 +10,10 @@ gate/up products, q and k rotated in one pass, and the paged attention in its pa
 layout (`attend_packed`). It computes what transformers' modules compute, in the same
 order, so the logits are the same bit for bit (tests/unit/model/test_direct_forward.py).
 
-It runs only what it was written for: Llama, Mistral and Qwen2 models with their sibling
-projections fused (fused_projections.py), rotary positions, plain RMSNorm and a gated MLP.
-Anything else (other families, LoRA layers, images) runs transformers' forward.
+It runs only what it was written for: Llama, Mistral, Qwen2 and Qwen3 models (Qwen3's
+per-head RMSNorm of q and k included) with their sibling projections fused
+(fused_projections.py), rotary positions, plain RMSNorm and a gated MLP. Anything else
+(other families, LoRA layers, images) runs transformers' forward.
 """
 
 from __future__ import annotations
@@ -38,18 +39,20 @@ def _layer_window(model: nn.Module, attn: nn.Module) -> int | None:
     kind = type(model).__name__
     if kind == "MistralForCausalLM":
         return getattr(model.config, "sliding_window", None)
-    if kind == "Qwen2ForCausalLM":
+    if kind in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         return attn.sliding_window
     return None
 
 
-# The families whose decoder layer is exactly Llama's (pre-norm attention and gated MLP,
-# residual adds, no extra norms or scales), with their RMSNorm class.
+# The families whose decoder layer is Llama's (pre-norm attention and gated MLP, residual
+# adds, no other scales), with their RMSNorm class; Qwen3 also norms each q and k head.
 FAMILIES = {
     "LlamaForCausalLM": "LlamaRMSNorm",
     "MistralForCausalLM": "MistralRMSNorm",
     "Qwen2ForCausalLM": "Qwen2RMSNorm",
+    "Qwen3ForCausalLM": "Qwen3RMSNorm",
 }
+HEAD_NORMS = {"Qwen3ForCausalLM"}  # families whose attention norms q and k per head before the rotation
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ class _Layer:
     index: int
     input_norm: Norm
     qkv: nn.Module  # the fused q/k/v product: [T, hidden] -> [T, (H + 2 KVH) * Dh]
+    head_norms: tuple[Norm, Norm] | None  # Qwen3: RMSNorm over each q head and each k head
     o_proj: nn.Module
     post_norm: Norm
     gate_up: nn.Module  # the fused gate/up product: [T, hidden] -> [T, 2 * I]
@@ -70,9 +74,9 @@ class _Layer:
 
 
 def _rms_norm(module: nn.Module) -> Norm:
-    """float32: torch's fused RMSNorm (what transformers' module computes, in one operator);
-    other dtypes: the module itself, which rounds its normalized input to the model's dtype
-    before the weight multiplies it."""
+    """float32: torch's fused RMSNorm over the last dimension (what transformers' module
+    computes, in one operator); other dtypes: the module itself, which rounds its normalized
+    input to the model's dtype before the weight multiplies it."""
     weight, eps = module.weight, module.variance_epsilon
     if weight.dtype != torch.float32:
         return module
@@ -91,6 +95,8 @@ def unsupported_reason(model: nn.Module) -> str | None:
             return f"an RMSNorm of another class ({type(module).__name__})"
     for index, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
+        if hasattr(attn, "q_norm") != (kind in HEAD_NORMS):
+            return f"layer {index}'s attention {'lacks' if kind in HEAD_NORMS else 'has'} per-head q/k norms"
         if not all(isinstance(getattr(attn, name), ProjectionSlice) for name in ("q_proj", "k_proj", "v_proj")):
             return f"layer {index}'s q/k/v projections are not fused"
         if not all(isinstance(getattr(mlp, name), ProjectionSlice) for name in ("gate_proj", "up_proj")):
@@ -124,6 +130,7 @@ class DirectForward:
             index=index,
             input_norm=_rms_norm(layer.input_layernorm),
             qkv=attn.q_proj.fused.linear,
+            head_norms=(_rms_norm(attn.q_norm), _rms_norm(attn.k_norm)) if hasattr(attn, "q_norm") else None,
             o_proj=attn.o_proj,
             post_norm=_rms_norm(layer.post_attention_layernorm),
             gate_up=mlp.gate_proj.fused.linear,
@@ -144,19 +151,25 @@ class DirectForward:
         x = self.embed(input_ids[0])  # [T, hidden]
         cos, sin = self.rotary(x, position_ids)
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, Dh]: one angle per position, every head
+        # transformers rotates by q * cos + cat(-q2, q1) * sin. cat(q2, q1) is one roll, and
+        # the sign moves onto the sine once a step: -(a * b) == a * -b exactly in floats.
+        half = sin.shape[-1] // 2
+        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         for layer in self.layers:
-            x = x + self._attention(layer, layer.input_norm(x), cos, sin, meta)
+            x = x + self._attention(layer, layer.input_norm(x), cos, signed_sin, meta)
             x = x + self._mlp(layer, layer.post_norm(x))
         return self.lm_head(self.final_norm(x[logits_to_keep])).unsqueeze(0)
 
     @staticmethod
-    def _attention(layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def _attention(layer: _Layer, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                    meta: AttentionMetadata) -> torch.Tensor:
         tokens, heads, kv_heads = h.shape[0], layer.heads, layer.kv_heads
         qkv = layer.qkv(h).view(tokens, heads + 2 * kv_heads, layer.head_dim)
         qk = qkv[:, : heads + kv_heads]  # q and k heads side by side: rotated in one pass
-        half = layer.head_dim // 2
-        qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+        if layer.head_norms is not None:
+            q_norm, k_norm = layer.head_norms
+            qk = torch.cat((q_norm(qk[:, :heads]), k_norm(qk[:, heads:])), dim=1)
+        qk = qk * cos + qk.roll(layer.head_dim // 2, -1) * signed_sin
         out = attend_packed(layer.index, qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :], meta,
                             layer.attention)
         return layer.o_proj(out.view(tokens, heads * layer.head_dim))

@@ -17,6 +17,8 @@ from transformers import (
     MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from tests.support.engines import make_engine
@@ -29,15 +31,19 @@ from workers.model.fused_projections import fuse_sibling_projections
 
 VOCAB = 300
 WINDOW = 6
-SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+SHAPE = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, "bos_token_id": 1,
+         "eos_token_id": 2, "pad_token_id": 0}
 
 
 def _init(model):
     torch.manual_seed(0)
     with torch.no_grad():  # weights larger than the default init, biases non-zero: every term shows
         for p in model.parameters():
-            p.normal_(0, 0.2) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+            else:
+                p.uniform_(0.5, 1.5)
     return model.eval()
 
 
@@ -46,8 +52,8 @@ def llama():
 
 
 def llama3_rope():
-    rope = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                original_max_position_embeddings=16, rope_theta=10000.0)
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16, "rope_theta": 10000.0}
     return _init(LlamaForCausalLM(LlamaConfig(**SHAPE, rope_parameters=rope)))
 
 
@@ -60,6 +66,12 @@ def qwen2_sliding_bias():
     config = Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
     assert config.layer_types == ["full_attention", "sliding_attention"]
     return _init(Qwen2ForCausalLM(config))
+
+
+def qwen3_head_norms():
+    # Qwen3 norms each q and k head before the rotation; its norm weights are drawn away from 1.
+    config = Qwen3Config(**SHAPE, head_dim=16, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
+    return _init(Qwen3ForCausalLM(config))
 
 
 def prepared(model, pack: bool):
@@ -106,8 +118,9 @@ def run(model, direct: bool, budget: int) -> tuple[list[list[tuple[int, float]]]
     return outputs, logits
 
 
-@pytest.mark.parametrize("build", [llama, llama3_rope, mistral_sliding, qwen2_sliding_bias],
-                         ids=["llama", "llama3-rope", "mistral-sliding-window", "qwen2-bias-sliding-layer"])
+@pytest.mark.parametrize("build", [llama, llama3_rope, mistral_sliding, qwen2_sliding_bias, qwen3_head_norms],
+                         ids=["llama", "llama3-rope", "mistral-sliding-window", "qwen2-bias-sliding-layer",
+                              "qwen3-head-norms"])
 @pytest.mark.parametrize("pack", [False, True], ids=["plain", "packed"])
 @pytest.mark.parametrize("budget", [64, 5], ids=["whole-prompts", "chunked-prefill"])
 def test_direct_forward_gives_transformers_logits_bit_for_bit(build, pack, budget):
@@ -121,14 +134,22 @@ def test_direct_forward_gives_transformers_logits_bit_for_bit(build, pack, budge
 
 
 def test_the_check_can_fail():
-    """The same comparison against a model whose window differs: the logits move, so the
-    test above would catch a direct forward that dropped the window."""
+    """The same comparison against a model whose window differs, and one without Qwen3's
+    head norms: the logits move, so the test above would catch a direct forward that
+    dropped either."""
     model = prepared(mistral_sliding(), pack=False)
     wide = copy.deepcopy(model)
     wide.config.sliding_window = 10**6
     _, direct_logits = run(model, direct=True, budget=64)
     _, wide_logits = run(wide, direct=False, budget=64)
     assert any(not torch.equal(a, b) for a, b in zip(direct_logits, wide_logits))
+    qwen3 = prepared(qwen3_head_norms(), pack=False)
+    _, with_norms = run(qwen3, direct=True, budget=64)
+    for layer in qwen3.model.layers:
+        layer.self_attn.q_norm.weight.data.fill_(1.0)
+        layer.self_attn.k_norm.weight.data.fill_(1.0)
+    _, unit_norms = run(qwen3, direct=False, budget=64)
+    assert any(not torch.equal(a, b) for a, b in zip(with_norms, unit_norms))
 
 
 def test_bfloat16_norms_run_the_models_own_rounding():
@@ -146,6 +167,10 @@ def test_models_it_was_not_written_for_keep_transformers_forward():
     assert "not a Llama-shaped family" in unsupported_reason(prepared(gemma2(), pack=False))
     unfused = llama()
     assert "not fused" in unsupported_reason(unfused)
+    no_head_norms = prepared(qwen3_head_norms(), pack=False)
+    for layer in no_head_norms.model.layers:
+        del layer.self_attn.q_norm
+    assert "lacks per-head q/k norms" in unsupported_reason(no_head_norms)
     with pytest.raises(ValueError, match="not fused"):
         DirectForward(unfused)
     engine = make_engine(prepared(gemma2(), pack=False), num_blocks=64)
