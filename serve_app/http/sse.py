@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 
+# json.dumps builds a new encoder on every call that sets an option: 1 µs a call against
+# 0.1 for one encoder kept (the same text).
+json_text = json.JSONEncoder(ensure_ascii=False).encode
+
 
 def sse(payload: dict) -> str:
-    return sse_json(json.dumps(payload, ensure_ascii=False))
+    return sse_json(json_text(payload))
 
 
 # Characters JSON leaves raw but Python's str.splitlines (httpx's aiter_lines, and so many
@@ -17,5 +21,7 @@ _LINE_BREAKERS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029"
 
 def sse_json(text: str) -> str:
     """One SSE event of a JSON text (these characters only occur inside its strings)."""
-    return f"data: {text.translate(_LINE_BREAKERS)}\n\n"
+    if not text.isascii():  # the breakers are not ASCII: most events skip the 3 µs scan
+        text = text.translate(_LINE_BREAKERS)
+    return f"data: {text}\n\n"
 

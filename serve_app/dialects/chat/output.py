@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ from serve_app.dialects.chat.response import (
 )
 from serve_app.dialects.common import usage_of
 from serve_app.http.errors import APIError
-from serve_app.http.sse import sse, sse_json
+from serve_app.http.sse import json_text, sse, sse_json
 from serve_app.output.call_deltas import CallAssembly, CallDelta, ParsedCall
 from serve_app.output.choice_parser import ChoiceParser, OutputParsing, ParsedDelta
 from workers.contract.chunks import GenerationChunk, TokenLogprob, TopLogprob
@@ -327,7 +326,7 @@ class PlainEvents:
 
 
 def _json(value: str | int) -> str:
-    return json.dumps(value, ensure_ascii=False)
+    return json_text(value)
 
 
 def _call_delta(call: CallDelta) -> Delta | None:

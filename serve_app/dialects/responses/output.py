@@ -13,7 +13,6 @@ was already announced, its item is closed `incomplete`.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -37,9 +36,9 @@ from serve_app.dialects.responses.response import (
 )
 from serve_app.dialects.responses.translate import WORKER_PARAM_NAMES
 from serve_app.http.errors import APIError
-from serve_app.http.sse import sse_json
-from serve_app.output.choice_parser import ChoiceParser, OutputParsing, ParsedDelta
+from serve_app.http.sse import json_text, sse_json
 from serve_app.output.call_deltas import CallDelta
+from serve_app.output.choice_parser import ChoiceParser, OutputParsing, ParsedDelta
 from workers.contract.chunks import GenerationChunk
 
 Event = dict[str, Any]  # one typed event, without its sequence_number
@@ -341,4 +340,4 @@ class ResponseStreamer:
     def _sse(self, event: Event) -> str:
         event["sequence_number"] = self._sequence
         self._sequence += 1
-        return f"event: {event['type']}\n" + sse_json(json.dumps(event, ensure_ascii=False))
+        return f"event: {event['type']}\n" + sse_json(json_text(event))

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from openai.types.chat import ChatCompletion as SDKCompletion
 from openai.types.chat import ChatCompletionChunk as SDKChunk
 
 from serve_app.dialects.chat.output import ChunkStreamer, CompletionAccumulator
 from serve_app.dialects.chat.request import ChatCompletionRequest
+from serve_app.http.sse import json_text, sse_json
 from serve_app.output.choice_parser import OutputParsing
 from tests.support.sse_events import sse_lines, sse_payloads
 from workers.contract.chunks import GenerationChunk
@@ -124,3 +126,14 @@ def test_an_event_stays_one_line_for_clients_that_split_like_str_splitlines():
     lines = "".join(sse_lines(streamer, chunks_of(text, 3))).splitlines()
     payloads = [json.loads(line[6:]) for line in lines if line and line != "data: [DONE]"]
     assert "".join(p["choices"][0]["delta"].get("content") or "" for p in payloads) == text
+
+
+@pytest.mark.parametrize("value", ["plain ascii", "é \u2028 \x85 \"q\"\n", 42, {"a": ["ü", 1, None]}])
+def test_sse_text_is_what_json_dumps_writes(value):
+    """The kept encoder writes json.dumps(ensure_ascii=False)'s text, and only events with
+    non-ASCII text are scanned for line breakers (which are all non-ASCII)."""
+    text = json.dumps(value, ensure_ascii=False)
+    assert json_text(value) == text
+    event = sse_json(text)
+    assert event == "data: " + text.replace("\u2028", "\\u2028").replace("\x85", "\\u0085") + "\n\n"
+    assert len(event[:-2].splitlines()) == 1  # one line before the blank that ends the event
