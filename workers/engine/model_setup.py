@@ -56,7 +56,7 @@ def model_runner(model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.d
     """The runner, with its decode graphs captured when `path` says so (with and without
     LoRA rows when `lora` is given)."""
     runner = ModelRunner(model, kv_cache, device, triton_decode=path.triton, lora=lora)
-    if path.direct and lora is None:
+    if path.direct:  # never with LoRA (decode_path)
         runner.direct = direct_forward_for(model)
     if path.graphs:
         graphs = DecodeGraphs(model, kv_cache, min(limits.cuda_graph_max_batch, limits.max_num_seqs),

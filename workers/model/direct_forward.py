@@ -3,11 +3,10 @@
 transformers' forward of a Llama layer goes through some twenty module calls, decorators
 and keyword plumbing, and its RMSNorm and rotary embedding are about twenty small tensor
 operators between them. On a CPU every call and operator costs microseconds of Python and
-dispatch whatever the batch: at batch 1 on the default model they were a third of the
-decode step, as much as the linear layers (docs/BENCHMARKS.md). This forward calls the
-same weights with the fewest operators: one fused RMSNorm (float32), the fused q/k/v and
-gate/up products, q and k rotated in one pass, and the paged attention in its packed
-layout (`attend_packed`). It computes what transformers' modules compute, in the same
+dispatch whatever the batch: at batch 1 on the default model they took about as long as
+the linear layers (docs/BENCHMARKS.md). This forward calls the same weights with the
+fewest operators: one fused RMSNorm (float32), the fused q/k/v and gate/up products, q and
+k rotated in one pass, and the paged attention in its packed layout (`attend_packed`). It computes what transformers' modules compute, in the same
 order, so the logits are the same bit for bit (tests/unit/model/test_direct_forward.py).
 
 It runs only what it was written for: Llama, Mistral, Qwen2 and Qwen3 models (Qwen3's
@@ -182,8 +181,8 @@ class DirectForward:
 
 def direct_forward_for(model: nn.Module) -> DirectForward | None:
     """The direct forward of `model`, or None (logged) when it must run transformers'."""
-    reason = unsupported_reason(model)
-    if reason is not None:
-        logger.info("transformers' forward: %s", reason)
+    try:
+        return DirectForward(model)
+    except ValueError as exc:
+        logger.info("transformers' forward: %s", exc)
         return None
-    return DirectForward(model)

@@ -77,7 +77,7 @@ class ModelRunner:
             if decode_token_ids is not None:
                 decode_token_ids = decode_token_ids[torch.tensor(order, device=decode_token_ids.device)]
         inputs = self.prepare(decodes, prefills, decode_token_ids)
-        if self.direct is not None and order is None and inputs.image_embeds is None:
+        if self.direct is not None and inputs.image_embeds is None:  # never with LoRA: no row order to undo
             logits = self.direct(inputs.input_ids, inputs.position_ids, inputs.attn_metadata, inputs.logits_indices)
             return logits[0].float(), inputs.prompt_rows
         if inputs.image_embeds is None:

@@ -311,22 +311,18 @@ class PlainEvents:
     (tests/unit/api/test_chat_events.py holds them equal), without building the models."""
 
     def __init__(self, request_id: str, created: int, model: str) -> None:
-        self._head = (f'{{"id":{_json(request_id)},"object":"chat.completion.chunk","created":{created},'
-                      f'"model":{_json(model)},"choices":[{{"index":')
+        self._head = (f'{{"id":{json_text(request_id)},"object":"chat.completion.chunk","created":{created},'
+                      f'"model":{json_text(model)},"choices":[{{"index":')
 
     def content(self, chunk: GenerationChunk, role: bool) -> str:
         """`role`: the choice's first delta, which carries the role."""
-        finish = "null" if chunk.finish_reason is None else _json(chunk.finish_reason)
+        finish = "null" if chunk.finish_reason is None else json_text(chunk.finish_reason)
         delta = '{"role":"assistant","content":' if role else '{"content":'
-        event = (f'{self._head}{chunk.index},"delta":{delta}{_json(chunk.text)}}},'
+        event = (f'{self._head}{chunk.index},"delta":{delta}{json_text(chunk.text)}}},'
                  f'"logprobs":null,"finish_reason":{finish}')
         if chunk.finish_reason is not None and chunk.stop_reason is not None:
-            event += f',"stop_reason":{_json(chunk.stop_reason)}'
+            event += f',"stop_reason":{json_text(chunk.stop_reason)}'
         return event + "}]}"
-
-
-def _json(value: str | int) -> str:
-    return json_text(value)
 
 
 def _call_delta(call: CallDelta) -> Delta | None:

@@ -9,12 +9,8 @@ import copy
 import pytest
 import torch
 from transformers import (
-    Gemma2Config,
-    Gemma2ForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -22,56 +18,54 @@ from transformers import (
 )
 
 from tests.support.engines import make_engine
-from workers.contract.sampling_params import SamplingParams
+from tests.unit.model.test_model_families import (
+    SHAPE,
+    WINDOW,
+    _init,
+    engine_outputs,
+    gemma2,
+    mistral,
+    prompts,
+)
 from workers.engine.limits import LoraLimits
 from workers.model.attention import register_paged_attention
 from workers.model.cpu_linear import pack_linear_layers
 from workers.model.direct_forward import DirectForward, unsupported_reason
 from workers.model.fused_projections import fuse_sibling_projections
 
-VOCAB = 300
-WINDOW = 6
-SHAPE = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, "bos_token_id": 1,
-         "eos_token_id": 2, "pad_token_id": 0}
 
-
-def _init(model):
-    torch.manual_seed(0)
-    with torch.no_grad():  # weights larger than the default init, biases non-zero: every term shows
+def _with_vectors(model):
+    """test_model_families' weights, and its norm weights and biases drawn away from 1 and
+    0, so Qwen2's biases and Qwen3's head norms change the logits."""
+    model = _init(model)
+    with torch.no_grad():
         for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.2)
-            else:
+            if p.dim() == 1:
                 p.uniform_(0.5, 1.5)
-    return model.eval()
+    return model
 
 
 def llama():
-    return _init(LlamaForCausalLM(LlamaConfig(**SHAPE)))
+    return _with_vectors(LlamaForCausalLM(LlamaConfig(**SHAPE)))
 
 
 def llama3_rope():
     rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 16, "rope_theta": 10000.0}
-    return _init(LlamaForCausalLM(LlamaConfig(**SHAPE, rope_parameters=rope)))
-
-
-def mistral_sliding():
-    return _init(MistralForCausalLM(MistralConfig(**SHAPE, sliding_window=WINDOW)))
+    return _with_vectors(LlamaForCausalLM(LlamaConfig(**SHAPE, rope_parameters=rope)))
 
 
 def qwen2_sliding_bias():
     # Qwen2's q/k/v carry biases; its later layer slides (max_window_layers=1).
     config = Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
     assert config.layer_types == ["full_attention", "sliding_attention"]
-    return _init(Qwen2ForCausalLM(config))
+    return _with_vectors(Qwen2ForCausalLM(config))
 
 
 def qwen3_head_norms():
-    # Qwen3 norms each q and k head before the rotation; its norm weights are drawn away from 1.
+    # Qwen3 norms each q and k head before the rotation.
     config = Qwen3Config(**SHAPE, head_dim=16, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
-    return _init(Qwen3ForCausalLM(config))
+    return _with_vectors(Qwen3ForCausalLM(config))
 
 
 def prepared(model, pack: bool):
@@ -83,15 +77,8 @@ def prepared(model, pack: bool):
     return model
 
 
-def prompts() -> list[list[int]]:
-    gen = torch.Generator().manual_seed(4)
-    base = torch.randint(3, VOCAB, (21,), generator=gen).tolist()
-    # Longer than the window, shorter, one sharing a prefix (prefix-cache blocks), one unrelated.
-    return [base, base[:4], base[:16] + [7, 8, 9], torch.randint(3, VOCAB, (11,), generator=gen).tolist()]
-
-
 def run(model, direct: bool, budget: int) -> tuple[list[list[tuple[int, float]]], list[torch.Tensor]]:
-    """Each request's (token, logprob) and every step's logits, the first request alone
+    """Each request's (token, logprob) and every step's logits: the first request alone
     first (so the third hits its prefix in the cache), then the rest together."""
     engine = make_engine(model, num_blocks=64, max_num_batched_tokens=budget, direct_forward=direct)
     assert (engine.runner.direct is not None) == direct
@@ -105,20 +92,12 @@ def run(model, direct: bool, budget: int) -> tuple[list[list[tuple[int, float]]]
 
     engine.runner.forward = recording
     batch, max_tokens = prompts(), [12, 14, 9, 10]
-    outputs = []
-    for group in ([0], [1, 2, 3]):
-        ids = [engine.add_request(batch[i], SamplingParams(max_tokens=max_tokens[i], temperature=0.0,
-                                                           ignore_eos=True, logprobs=0)) for i in group]
-        events: dict[int, list] = {i: [] for i in ids}
-        while engine.has_work():
-            for ev in engine.step():
-                events[ev.request_id].append((ev.token_id, ev.logprob))
-        outputs += [events[i] for i in ids]
+    outputs = engine_outputs(engine, batch[:1], max_tokens[:1]) + engine_outputs(engine, batch[1:], max_tokens[1:])
     assert engine.blocks.hit_tokens > 0
     return outputs, logits
 
 
-@pytest.mark.parametrize("build", [llama, llama3_rope, mistral_sliding, qwen2_sliding_bias, qwen3_head_norms],
+@pytest.mark.parametrize("build", [llama, llama3_rope, mistral, qwen2_sliding_bias, qwen3_head_norms],
                          ids=["llama", "llama3-rope", "mistral-sliding-window", "qwen2-bias-sliding-layer",
                               "qwen3-head-norms"])
 @pytest.mark.parametrize("pack", [False, True], ids=["plain", "packed"])
@@ -137,7 +116,7 @@ def test_the_check_can_fail():
     """The same comparison against a model whose window differs, and one without Qwen3's
     head norms: the logits move, so the test above would catch a direct forward that
     dropped either."""
-    model = prepared(mistral_sliding(), pack=False)
+    model = prepared(mistral(), pack=False)
     wide = copy.deepcopy(model)
     wide.config.sliding_window = 10**6
     _, direct_logits = run(model, direct=True, budget=64)
@@ -157,10 +136,6 @@ def test_bfloat16_norms_run_the_models_own_rounding():
     want, _ = run(model, direct=False, budget=64)
     got, _ = run(model, direct=True, budget=64)
     assert got == want
-
-
-def gemma2():
-    return _init(Gemma2ForCausalLM(Gemma2Config(**SHAPE, head_dim=16, query_pre_attn_scalar=16)))
 
 
 def test_models_it_was_not_written_for_keep_transformers_forward():
