@@ -22,6 +22,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +43,9 @@ VLLM_PORT = 8011
 SERVE_ENV = {
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_worker_niceness": "0",
+    "RAY_task_events_report_interval_ms": "0",
+    "RAY_event_stats": "0",
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
 }
 
 # The HTTP edges Ray Serve offers: its proxy (port 8000), the ingress replica's own port
@@ -101,19 +106,29 @@ def bench_engine(args, model: Model, mode: str, config: Path, report: Path) -> N
          "--json", str(report)])
 
 
-def bench_serve(args, model: Model, config: Path, report: Path) -> None:
-    edge_env, port = EDGES[args.edge]
-    extra = dict(item.split("=", 1) for item in args.serve_env)
-    env = {**os.environ, **SERVE_ENV, **edge_env, **extra, "PYTHONPATH": str(REPO)}
-    log = open(args.out / "serve.log", "w")
-    process = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", str(config)], cwd=REPO, env=env,
-                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+@contextmanager
+def serve_running(config: Path, edge: str, extra_env: dict[str, str], log_path: Path) -> Iterator[str]:
+    """`serve run config` started as `make serve` starts it (SERVE_ENV, the edge's environment)
+    plus `extra_env`; yields its URL once it serves, and stops everything it started."""
+    edge_env, port = EDGES[edge]
+    env = {**os.environ, **SERVE_ENV, **edge_env, **extra_env, "PYTHONPATH": str(REPO)}
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", str(config)], cwd=REPO,
+                                   env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_ready(f"http://127.0.0.1:{port}", 600, process)
-        load(args, f"http://127.0.0.1:{port}", model.name, report)
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, 600, process)
+        yield url
     finally:
         stop_session(process)
-        subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], capture_output=True)
+        subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], check=False,
+                       capture_output=True)
+
+
+def bench_serve(args, model: Model, config: Path, report: Path) -> None:
+    extra = dict(item.split("=", 1) for item in args.serve_env)
+    with serve_running(config, args.edge, extra, args.out / "serve.log") as url:
+        load(args, url, model.name, report)
 
 
 def bench_vllm(args, model: Model, report: Path) -> None:
