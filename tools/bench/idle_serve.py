@@ -16,7 +16,6 @@ server is the one `make bench-cpu` starts (`tools.bench.compare`: the default mo
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import time
 from pathlib import Path
@@ -89,9 +88,8 @@ def main(argv: list[str] | None = None) -> None:
     prompt_ids = loaded.tokenizer(PROMPT)["input_ids"]
 
     def timing(batch: int) -> float:
-        times = [engine_decode_ms(loaded.model, prompt_ids, batch, args.steps)[0] for _ in range(args.repeat)]
-        gc.collect()  # each timing's engine holds a KV pool: free it before the next one
-        return statistics.median(times)
+        return statistics.median(engine_decode_ms(loaded.model, prompt_ids, batch, args.steps)[0]
+                                 for _ in range(args.repeat))
 
     runs = {batch: {name: [] for name in (ALONE, *variants)} for batch in args.batch}
     for round_ in range(1, args.rounds + 1):

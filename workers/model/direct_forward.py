@@ -6,8 +6,9 @@ operators between them. On a CPU every call and operator costs microseconds of P
 dispatch whatever the batch: at batch 1 on the default model they took about as long as
 the linear layers (docs/BENCHMARKS.md). This forward calls the same weights with the
 fewest operators: one fused RMSNorm (float32), the fused q/k/v and gate/up products, q and
-k rotated in one pass, and the paged attention in its packed layout (`attend_packed`). It computes what transformers' modules compute, in the same
-order, so the logits are the same bit for bit (tests/unit/model/test_direct_forward.py).
+k rotated in one pass, and the paged attention in its packed layout (`attend_packed`). It
+computes what transformers' modules compute, in the same order, so the logits are the same
+bit for bit (tests/unit/model/test_direct_forward.py).
 
 It runs only what it was written for: Llama, Mistral, Qwen2 and Qwen3 models (Qwen3's
 per-head RMSNorm of q and k included) with their sibling projections fused
