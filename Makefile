@@ -20,7 +20,10 @@ install: $(STAMP)
 # How `serve run` starts Ray and Serve (docs/BENCHMARKS.md has the measurements behind it):
 # - HAProxy is the HTTP edge on port 8000, in front of each ingress replica's own port
 #   (8001 and up): one hop fewer than Serve's Python proxy; one thread (a second one only
-#   takes a core from the model on a small machine);
+#   takes a core from the model on a small machine). The replicas' ports bind the config's
+#   http_options.host, as port 8000 does (127.0.0.1 in configs/default.yaml): Ray Serve has
+#   no variable for their host alone (RAY_SERVE_DEFAULT_HTTP_HOST is ignored once HAProxy
+#   is on), so a config with host 0.0.0.0 opens 8001 and up to the network too;
 # - Serve runs the replicas' code on the replica's own event loop, not a second thread (every
 #   chatserve method is async, and the engine steps in a thread of its own, so the loop is
 #   never blocked by the model). Handles keep their router on a loop of its own: a router

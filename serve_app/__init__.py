@@ -1,13 +1,18 @@
 """chatserve's HTTP side: the Ray Serve ingress, its dialects, and how outputs are read.
 
+The root holds the top: what binds the app and answers requests. Every package below
+imports only packages further down (tests/unit/contract/test_layout.py).
+
   app.py         `serve run` entry point (build_app)
-  ingress.py     the ingress deployment's routes
-  worker_call.py the one place that calls a model worker
-  handle_api.py  typed Python entry points for other Ray apps
-  http/          body limits, errors, SSE, API keys, metrics
-  dialects/      one module (or package) per request dialect, and what they share
+  ingress.py     the ingress deployment: its routes and the one generate path
+  handle_api.py  typed Python entry points for other Ray apps (the same path)
+  dialects/      one module (or package) per request dialect, and the table of them
   output/        reasoning, tool calls and content read out of a choice's text
-  media.py       where images may come from
-  lora_adapters.py  which model or LoRA adapter a request names; load/unload rules
-  lora_registry.py  the adapters loaded at run time, shared by every ingress replica
+  schema/        what dialects and output parsers share: request/response bases,
+                 response_format, tool definitions, the `Dialect` row
+  lora/          which model or LoRA adapter a request names; load/unload; the registry
+  media/         where images may come from
+  transport/     the one worker call, and the channels that carry a worker's chunks
+  http/          body limits, errors, SSE, API keys, metrics
+  config/        the app config (the Serve YAML's `args`)
 """

@@ -8,9 +8,9 @@ from typing import Any
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from serve_app.app_config import AppConfig, parse_app_config
+from serve_app.config.app_config import AppConfig, parse_app_config
 from serve_app.ingress import ChatIngress
-from serve_app.lora_registry import LoraRegistry
+from serve_app.lora.adapters import LoraRegistry
 from serve_app.transport.router import ROUTER_CLASS
 from workers.contract.model_config import ModelConfig
 from workers.serving.deployment import ModelWorker

@@ -1,18 +1,19 @@
 """The Ray Serve ingress deployment: its routes, and what each does before the worker call.
 
-It holds no model: each request is checked against the API keys (serve_app/http/auth.py),
-validated by its dialect's request model (every rule of the dialect at parse time),
-translated to the worker's `GenerateRequest`, then answered through the one worker call
-(serve_app/worker_call.py: first chunk awaited, so worker errors keep their status;
-after that, errors travel as a final SSE event before `[DONE]`).
-
-Routes and the module that holds each dialect: `/v1/chat/completions`
-(dialects/chat/), `/lm/v2/chat/completions` (dialects/lm_v2.py), `/v1/completions`
-(dialects/completions.py), `/v1/responses` (dialects/responses/, a chat request
-underneath). Each dialect supplies a request -> GenerateRequest translation,
-a streamer (`events(first, rest)` -> SSE text) and an accumulator (`add(chunk)`,
-`result().dump_json()`). A request's `model` may name a LoRA adapter of a served model
-(serve_app/lora_adapters.py); `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`
+It holds no model. Every generating route is a row of the dialect table
+(serve_app/dialects/table.py): `/v1/chat/completions` (dialects/chat/),
+`/lm/v2/chat/completions` (dialects/lm_v2.py), `/v1/completions` (dialects/completions.py),
+`/v1/responses` (dialects/responses/, a chat request underneath). One path, `_generate`,
+serves them all, each step the same way for every dialect (serve_app/schema/dialect.py
+says what a row supplies): the API keys (serve_app/http/auth.py); the body, validated by
+the dialect's request model (every rule of the dialect at parse time); `model` resolved,
+a LoRA adapter attached (serve_app/lora/adapters.py); the translation to the worker's
+`GenerateRequest`; its token ids checked against the vocabulary; its image parts fetched
+(serve_app/media/images.py; a text-only model refuses them); the session key; then the
+one worker call (serve_app/transport/worker_call.py: first chunk awaited, so worker errors
+keep their status; after that, errors travel as a final SSE event before `[DONE]`),
+answered by the dialect's streamer or accumulator. The handle API (handle_api.py) takes
+the same path with the chat row. `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`
 change which adapters are served.
 
 `/tokenize` and `/detokenize` (dialects/tokenization.py, vLLM's) generate nothing: the
@@ -24,7 +25,8 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -37,18 +39,14 @@ from starlette.responses import (
     StreamingResponse,
 )
 
-from serve_app.app_config import AppConfig
-from serve_app.dialects import completions, lm_v2, tokenization
-from serve_app.dialects.chat.output import ChunkStreamer, CompletionAccumulator
-from serve_app.dialects.chat.request import ChatCompletionRequest
-from serve_app.dialects.chat.translate import new_request_id, to_generate_request
-from serve_app.dialects.common import ModelCard, ModelList
-from serve_app.dialects.responses import route as responses_route
-from serve_app.dialects.responses.request import ResponsesRequest
-from serve_app.dialects.responses.store import ResponseStore
+from serve_app.config.app_config import AppConfig
+from serve_app.dialects import tokenization
+from serve_app.dialects.responses.route import RESPONSES
+from serve_app.dialects.table import DIALECTS
 from serve_app.handle_api import HandleAPI
 from serve_app.http.auth import APIKeyAuth
 from serve_app.http.errors import APIError, not_found_model
+from serve_app.http.exposure import serve_http_address, warn_if_open_without_key
 from serve_app.http.metrics import (
     CONTENT_TYPE,
     STATUS_CLIENT_GONE,
@@ -58,16 +56,17 @@ from serve_app.http.metrics import (
 )
 from serve_app.http.request_body import parse_request, read_json_body
 from serve_app.http.session import current_session, remember_session
-from serve_app.lora_adapters import (
+from serve_app.lora.adapters import (
     AdapterCatalog,
     LoadLoraAdapterRequest,
     Target,
     UnloadLoraAdapterRequest,
 )
-from serve_app.media import MediaResolver, first_image_param, image_error
-from serve_app.output.choice_parser import OutputParsing
+from serve_app.media.images import MediaResolver, first_image_param, image_error
+from serve_app.schema.common import ModelCard, ModelList
+from serve_app.schema.dialect import CallContext, Dialect
 from serve_app.transport.channels import WorkerChannels
-from serve_app.worker_call import (
+from serve_app.transport.worker_call import (
     Accumulator,
     Streamer,
     accumulate,
@@ -102,15 +101,42 @@ async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
     return APIError(500, f"internal error: {type(exc).__name__}", type="internal_error").response()
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A request ready for its worker call: the model's transport, the worker's request, and
+    the dialect's streamer or accumulator that answers it."""
+
+    transport: WorkerChannels
+    request: GenerateRequest
+    output: Streamer | Accumulator
+
+
+def _generate_route(dialect: Dialect) -> Callable[[Request], Awaitable[Response]]:
+    """The POST route of a dialect: this replica's ingress, by the replica context as Serve's
+    class-based routes reach it, then the one generate path."""
+
+    async def generate(request: Request) -> Response:
+        ingress: ChatIngress = serve.get_replica_context().servable_object
+        return await ingress._generate(request, dialect)
+
+    return generate
+
+
+# One route per row of the dialect table, added before `@serve.ingress` copies the app.
+for _dialect in DIALECTS:
+    api.add_api_route(_dialect.path, _generate_route(_dialect), methods=["POST"])
+
+
 @serve.deployment(name="ChatIngress")
 @serve.ingress(api)
 class ChatIngress(HandleAPI):
     def __init__(self, app_config: dict, workers: dict[str, DeploymentHandle],
                  lora_registry: DeploymentHandle | None = None) -> None:
-        """`lora_registry`: the app's LoraRegistry (serve_app/lora_registry.py), when a model serves adapters."""
+        """`lora_registry`: the app's LoraRegistry (serve_app/lora/adapters.py), when a model serves adapters."""
         self.config = AppConfig.model_validate(app_config)
         self.adapters = AdapterCatalog(self.config, lora_registry)
         self.auth = APIKeyAuth.from_options(self.config.server)  # reads the key env var / file here
+        warn_if_open_without_key(*serve_http_address(), self.auth.enabled)
         self.media = MediaResolver(self.config.server.media)
         self.workers = {model: over_grpc(handle) for model, handle in workers.items()}
         self.transports = {model: WorkerChannels(handle, self.config.model(model).resume)
@@ -123,8 +149,8 @@ class ChatIngress(HandleAPI):
             asyncio.get_running_loop().create_task(self._info(model))
         self.created = int(time.time())
         self.metrics = IngressMetrics(list(workers))  # this replica's own registry
-        store = self.config.server.responses
-        self.response_store = ResponseStore(store.store_max_entries, store.store_max_bytes)
+        # Each dialect's own state on this replica (the responses store), by route.
+        self.dialect_states = {d.path: d.state(self.config.server) for d in DIALECTS if d.state is not None}
         route_request_log_to_serve()
 
     @api.get("/health")
@@ -203,69 +229,16 @@ class ChatIngress(HandleAPI):
         body = tokenization.DetokenizeResponse(prompt=result.prompt).dump_json()
         return Response(body, media_type="application/json")
 
-    @api.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request) -> Response:
-        req = await self._parse(request, ChatCompletionRequest)
-        target = await self._target(req.model)
-        transport = self._worker(target.base_model)
-        request_id = new_request_id()
-        gen_request = await self._chat_generate_request(req, request_id, target)
-        parsing = OutputParsing.of(req, self.config.model(target.base_model))
-        if req.stream:
-            output = ChunkStreamer(request_id, req, self.config.server.full_text_enabled, parsing)
-        else:
-            output = CompletionAccumulator(request_id, req.model, req.n, parsing)
-        return await self._respond(transport, gen_request, req.stream, output)
-
-    @api.post("/lm/v2/chat/completions")
-    async def lm_v2_chat_completions(self, request: Request) -> Response:
-        req = await self._parse(request, lm_v2.LmV2ChatRequest)
-        target = await self._target(req.model)
-        transport = self._worker(target.base_model)
-        request_id = lm_v2.new_request_id()
-        gen_request = dataclasses.replace(lm_v2.to_generate_request(req, request_id), lora=target.lora)
-        if req.stream:
-            output = lm_v2.LmV2Streamer(request_id, req)
-        else:
-            output = lm_v2.LmV2Accumulator(request_id, req.model)
-        return await self._respond(transport, gen_request, req.stream, output, lm_v2.WORKER_PARAM_NAMES)
-
-    @api.post("/v1/completions")
-    async def completions(self, request: Request) -> Response:
-        req = await self._parse(request, completions.CompletionRequest)
-        target = await self._target(req.model)
-        transport = self._worker(target.base_model)
-        request_id = completions.new_request_id()
-        gen_request = dataclasses.replace(completions.to_generate_request(req, request_id), lora=target.lora)
-        await self._check_token_ids(target.base_model, gen_request.params)
-        if req.stream:
-            output = completions.CompletionStreamer(request_id, req)
-        else:
-            output = completions.CompletionAccumulator(request_id, req)
-        return await self._respond(transport, gen_request, req.stream, output, completions.WORKER_PARAM_NAMES)
-
-    @api.post("/v1/responses")
-    async def responses(self, request: Request) -> Response:
-        """OpenAI's Responses API, answered through the chat path (dialects/responses/)."""
-        req = await self._parse(request, ResponsesRequest)
-        target = await self._target(req.model)
-        transport = self._worker(target.base_model)
-        response_id = responses_route.new_response_id()
-        call = responses_route.plan(req, response_id, self.response_store, self.config.model(target.base_model))
-        with responses_route.responses_params():
-            gen_request = await self._chat_generate_request(call.chat, response_id, target)
-        return await self._respond(transport, gen_request, req.stream, call.output, responses_route.WORKER_PARAM_NAMES)
-
     @api.get("/v1/responses/{response_id}")
     async def get_response(self, response_id: str, request: Request) -> Response:
         """A response stored by this ingress replica (`store: true`), else 404."""
         self.auth.check(request.headers.get("authorization"))
-        entry = self.response_store.get(response_id, param=None)
+        entry = self.dialect_states[RESPONSES.path].get(response_id, param=None)
         return Response(entry.body, media_type="application/json")
 
     async def _parse(self, request: Request, model_cls: type) -> Any:
         """API key, then body size, JSON and fields: the request model or an APIError.
-        Starts the request's metrics record (finished by _respond or the error handlers)."""
+        Starts the request's metrics record (finished by _generate or the error handlers)."""
         route = getattr(request.scope.get("route"), "path", None) or request.url.path
         record = self.metrics.begin(route)
         self.auth.check(request.headers.get("authorization"))
@@ -290,16 +263,21 @@ class ChatIngress(HandleAPI):
         data = await read_json_body(request, self.config.server.max_request_bytes)
         return parse_request(model_cls, data)
 
-    async def _respond(self, transport: WorkerChannels, gen_request: GenerateRequest, stream_response: bool,
-                       output: Streamer | Accumulator, param_names: Mapping[str, str] | None = None) -> Response:
-        """The worker call, answered as SSE or JSON; finishes the request's metrics record."""
+    async def _generate(self, request: Request, dialect: Dialect) -> Response:
+        """Every dialect's route: the body parsed, the worker request prepared (`_prepare`),
+        the session key added, the worker called, and its chunks streamed as SSE or
+        accumulated into one JSON body; finishes the request's metrics record."""
+        req = await self._parse(request, dialect.request_model)
+        prepared = await self._prepare(dialect, req, stream=req.stream)
         record = current_record() or self.metrics.begin("")
+        gen_request = prepared.request
         record.request_id = gen_request.request_id
         if (session_key := current_session()) is not None:
             gen_request = dataclasses.replace(gen_request, session_key=session_key)
+        output = prepared.output
         try:
-            call = await call_worker(transport, gen_request, param_names, record)
-            if stream_response:
+            call = await call_worker(prepared.transport, gen_request, dialect.param_names, record)
+            if req.stream:
                 return StreamingResponse(relay(output.events(call.first, call.rest), call, record),
                                          media_type="text/event-stream")
             body = (await accumulate(output, call)).dump_json()
@@ -309,14 +287,22 @@ class ChatIngress(HandleAPI):
         record.finish(200)
         return Response(body, media_type="application/json")
 
-    async def _chat_generate_request(self, req: ChatCompletionRequest, request_id: str,
-                                     target: Target) -> GenerateRequest:
-        """A chat request as the worker's (HTTP and the handle API): token ids checked
-        against the vocabulary, images fetched, the adapter `model` named."""
-        gen_request = to_generate_request(req, request_id, self.config.model(target.base_model))
-        gen_request = dataclasses.replace(gen_request, lora=target.lora)
-        await self._check_token_ids(target.base_model, gen_request.params)
-        return await self._with_images(target.base_model, gen_request)
+    async def _prepare(self, dialect: Dialect, req: Any, stream: bool) -> Prepared:
+        """A parsed request of `dialect` as the worker's, with its output (HTTP and the
+        handle API): `model` resolved (404 if nothing; an adapter attached), the dialect's
+        plan and translation, then token ids checked against the vocabulary and images
+        fetched, both inside the dialect's `errors` (which name its own fields)."""
+        target = await self._target(req.model)
+        transport = self._worker(target.base_model)
+        request_id = dialect.new_id()
+        context = CallContext(self.config.model(target.base_model), self.config.server,
+                              self.dialect_states.get(dialect.path))
+        plan = dialect.plan(req, request_id, context)
+        with dialect.errors():
+            gen_request = dataclasses.replace(dialect.translate(plan, request_id, context.model), lora=target.lora)
+            await self._check_token_ids(target.base_model, gen_request.params)
+            gen_request = await self._with_images(target.base_model, gen_request)
+        return Prepared(transport, gen_request, dialect.output(plan, request_id, context, stream))
 
     def _worker(self, model: str) -> WorkerChannels:
         transport = self.transports.get(model)
@@ -336,7 +322,7 @@ class ChatIngress(HandleAPI):
                                param=param)
 
     async def _with_images(self, model: str, gen_request: GenerateRequest) -> GenerateRequest:
-        """Image parts become bytes (serve_app/media.py), once the model is known to take
+        """Image parts become bytes (serve_app/media/images.py), once the model is known to take
         images: a text-only model is refused before anything is fetched."""
         param = first_image_param(gen_request.messages or [])
         if param is None:

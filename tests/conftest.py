@@ -1,6 +1,6 @@
 """Shared fixtures: a tiny tokenizer and a tiny random Llama for the engine unit tests.
 
-The Ray / HTTP fixtures live in tests/serve_fixtures.py and start Ray only when a test asks.
+The Ray / HTTP fixtures live in tests/support/serve_fixtures.py and start Ray only when a test asks.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ template. Sampling fields mean what they mean on /v1/chat/completions.
   `top_logprobs` (the k most likely, token -> logprob), `text_offset`. With `echo`
   (prompt logprobs in this shape) it is a 400 naming `logprobs`.
 - `response_format` constrains the text as on /v1/chat/completions (json_object,
-  json_schema; serve_app/dialects/response_format.py).
+  json_schema; serve_app/schema/response_format.py).
 - `suffix` (insertion) gets a 400 naming the field: not supported.
 - Penalties (`presence_penalty`, `frequency_penalty`, `repetition_penalty`), `min_p`,
   `min_tokens` and `logit_bias` are passed to the worker's SamplingParams.
@@ -40,7 +40,9 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from serve_app.dialects.common import (
+from serve_app.http.errors import APIError, unsupported
+from serve_app.http.sse import sse, sse_json
+from serve_app.schema.common import (
     MAX_LOGPROBS,
     RequestModel,
     ResponseModel,
@@ -53,9 +55,9 @@ from serve_app.dialects.common import (
     or_default,
     usage_of,
 )
-from serve_app.http.errors import APIError, unsupported
-from serve_app.http.sse import sse, sse_json
+from serve_app.schema.dialect import CallContext, Dialect
 from workers.contract.chunks import GenerationChunk, TokenLogprob
+from workers.contract.model_config import ModelConfig
 from workers.contract.requests import GenerateRequest
 from workers.contract.sampling_params import SamplingParams
 
@@ -129,9 +131,10 @@ class CompletionRequest(SamplingFields, TextPrompt):
         return self.n if self.use_beam_search else max(self.n, self.best_of or self.n)
 
 
-def to_generate_request(req: CompletionRequest, request_id: str) -> GenerateRequest:
+def to_generate_request(req: CompletionRequest, request_id: str, model: ModelConfig | None = None) -> GenerateRequest:
     """`req` has passed every rule of the dialect (its validation); what is left to fail
-    here is a `response_format` schema llguidance cannot build (400)."""
+    here is a `response_format` schema llguidance cannot build (400). `model` (the served
+    model's config) changes nothing here."""
     ranked = req.num_samples > req.n  # best_of ranks by cumulative logprob: the worker must report them
     params = SamplingParams(
         **openai_sampling_kwargs(req),
@@ -291,3 +294,15 @@ class CompletionStreamer:
         if usage is not None or self.include_usage:
             event.usage = usage  # null on every chunk but the last when include_usage, as OpenAI
         return sse_json(event.dump_json())
+
+
+# ------------------------------------------------------------------------------- route
+
+
+def output(req: CompletionRequest, request_id: str, context: CallContext,
+           stream: bool) -> CompletionStreamer | CompletionAccumulator:
+    return CompletionStreamer(request_id, req) if stream else CompletionAccumulator(request_id, req)
+
+
+COMPLETIONS = Dialect(path="/v1/completions", request_model=CompletionRequest, new_id=new_request_id,
+                      translate=to_generate_request, output=output, param_names=WORKER_PARAM_NAMES)

@@ -3,7 +3,7 @@
 Everything that differs from `/v1/chat/completions` is here: the request model and its
 rules, the translation to the worker's `GenerateRequest`, the finish reasons, and the
 response and stream-chunk shapes. The rest is shared with `/v1`: the worker call (first
-chunk awaited, cancel on client exit; serve_app/worker_call.py), the error shape and status
+chunk awaited, cancel on client exit; serve_app/transport/worker_call.py), the error shape and status
 codes (serve_app/http/errors.py), the API keys (serve_app/http/auth.py).
 
 Request:
@@ -50,16 +50,18 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from serve_app.dialects.common import (
+from serve_app.http.errors import APIError
+from serve_app.http.sse import sse, sse_json
+from serve_app.schema.common import (
     RequestModel,
     StopStrings,
     check_stream_options,
     or_default,
     stop_tuple,
 )
-from serve_app.http.errors import APIError
-from serve_app.http.sse import sse, sse_json
+from serve_app.schema.dialect import CallContext, Dialect
 from workers.contract.chunks import GenerationChunk
+from workers.contract.model_config import ModelConfig
 from workers.contract.requests import GenerateRequest
 from workers.contract.sampling_params import SamplingParams
 
@@ -141,8 +143,9 @@ class LmV2ChatRequest(RequestModel):
 
 
 
-def to_generate_request(req: LmV2ChatRequest, request_id: str) -> GenerateRequest:
-    """The dialect's request as the worker's: defaults filled in, names mapped."""
+def to_generate_request(req: LmV2ChatRequest, request_id: str, model: ModelConfig | None = None) -> GenerateRequest:
+    """The dialect's request as the worker's: defaults filled in, names mapped (`model`, the
+    served model's config, changes nothing here)."""
     top_p = or_default(req.top_p, DEFAULT_TOP_P)
     top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
     if top_p == 0.0:  # only the most likely token: greedy (the sampler needs top_p > 0)
@@ -293,3 +296,17 @@ class LmV2Streamer:
         choice = LmV2ChunkChoice(index=0, delta=delta, finish_reason=reason)
         chunk = LmV2Chunk(id=self.request_id, created=self.created, model=self.model, choices=[choice], usage=usage)
         return sse_json(chunk.dump_json())
+
+
+# ------------------------------------------------------------------------------- route
+
+
+def output(req: LmV2ChatRequest, request_id: str, context: CallContext,
+           stream: bool) -> LmV2Streamer | LmV2Accumulator:
+    return LmV2Streamer(request_id, req) if stream else LmV2Accumulator(request_id, req.model)
+
+
+# The request model has no token-id fields (logit_bias, stop_token_ids): the generate
+# path's token-id check finds nothing to check here.
+LM_V2 = Dialect(path="/lm/v2/chat/completions", request_model=LmV2ChatRequest, new_id=new_request_id,
+                translate=to_generate_request, output=output, param_names=WORKER_PARAM_NAMES)

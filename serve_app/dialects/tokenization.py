@@ -18,11 +18,12 @@ from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 
-from serve_app.dialects.chat.request import ChatMessage, Tool
-from serve_app.dialects.common import RequestModel, ResponseModel, field_error, or_default
+from serve_app.dialects.chat.request import ChatMessage
 from serve_app.http.errors import APIError, field_rule
-from serve_app.media import first_image_param
+from serve_app.media.images import first_image_param
 from serve_app.output.tool_parsers import PARSERS
+from serve_app.schema.common import RequestModel, ResponseModel, field_error, or_default
+from serve_app.schema.tools import Tool
 from workers.contract.model_config import ModelConfig
 from workers.contract.tokenize import DetokenizeRequest, TokenizeRequest, TokenizeResult
 

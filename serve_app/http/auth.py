@@ -1,6 +1,6 @@
 """Bearer API keys: every route but `GET /health` needs `Authorization: Bearer <key>`.
 
-Where keys come from (`server` options, see serve_app/config.py):
+Where keys come from (`server` options, see serve_app/config/app_config.py):
 - `api_keys_env`: the *name* of an environment variable holding comma-separated keys;
 - `api_keys_file`: a file with one key per line; blank lines and lines starting with
   `#` are skipped.
@@ -33,7 +33,7 @@ import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from serve_app.app_config import ConfigError, ServerOptions
+from serve_app.config.app_config import ConfigError, ServerOptions
 from serve_app.http.errors import unauthorized
 
 logger = logging.getLogger("chatserve.auth")

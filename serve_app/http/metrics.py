@@ -6,14 +6,14 @@ Each `ChatIngress` replica owns one `IngressMetrics` with a private `CollectorRe
 A generation request gets a `RequestRecord` when `_parse` starts (route known, model
 not yet); the model label is set only once the model is known to be served (an unknown
 model name is client input and would make the label set unbounded, so it stays "").
-The record is finished exactly once: by `_respond` (non-streaming), by the SSE
+The record is finished exactly once: by `_generate` (non-streaming), by the SSE
 generator's end (streaming: 200, or 499 when the client left first, 500 on an
 exception), or by the APIError / 500 handler for any error before the response began.
 Finishing observes the histograms, adds the token counters and writes one JSON line to
 the `chatserve.requests` logger. Nothing is observed per chunk: `RecordingStream`
 only keeps the first-token time, a running decode-time sum and the last chunk.
 
-The current record travels in a ContextVar: `_parse`, `_respond` and the exception
+The current record travels in a ContextVar: `_parse`, `_generate` and the exception
 handlers all run in the request's own task.
 """
 
@@ -61,7 +61,7 @@ def current_record() -> RequestRecord | None:
 
 def route_request_log_to_serve() -> None:
     """In a Serve replica, write `chatserve.requests` to the replica's Serve log at INFO
-    (workers/serve_logs.py says why it would go nowhere otherwise)."""
+    (workers/contract/serve_logs.py says why it would go nowhere otherwise)."""
     route_to_serve_log(request_logger)
 
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from serve_app.dialects.chat.request import ChatCompletionRequest, Tool
 from serve_app.output.call_deltas import CallDelta
 from serve_app.output.reasoning import REASONING_PARSERS, DeepSeekR1ReasoningParser
 from serve_app.output.tool_parsers import PARSERS, ToolParser
+from serve_app.schema.tools import Tool, ToolUse
 from workers.contract.model_config import ModelConfig
 
 
@@ -40,7 +40,7 @@ class OutputParsing:
     forced_calls: bool = False  # tool_choice required or named: the grammar makes the output calls
 
     @classmethod
-    def of(cls, req: ChatCompletionRequest, model: ModelConfig | None) -> "OutputParsing":
+    def of(cls, req: ToolUse, model: ModelConfig | None) -> "OutputParsing":
         if model is None:
             return cls()
         tools = tuple(req.tools_in_play)

@@ -26,10 +26,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from serve_app.dialects.chat.request import FunctionDefinition, NamedToolChoice, Tool
-from serve_app.output.call_deltas import CallDelta, ParsedCall, merged
+from serve_app.output.call_deltas import CallDelta, ParsedCall
 from serve_app.output.call_reader import CallReader, call_from, new_call_id
 from serve_app.output.tags import held_prefix
+from serve_app.schema.tools import FunctionDefinition, NamedToolChoice, Tool
 from workers.contract.requests import ToolPrompt
 
 _WS = r"/[ \t\n]*/"
@@ -136,13 +136,6 @@ class ToolParser(ABC):
     @abstractmethod
     def finish(self) -> ToolOutput:
         """Everything still held back, at the end of the output."""
-
-    @classmethod
-    def parse(cls, text: str, tools: list[Tool], forced: bool = False) -> ToolOutput:
-        """A whole text: its content and its whole calls, one delta each."""
-        parser = cls(tools, forced)
-        first, last = parser.push(text), parser.finish()
-        return ToolOutput(first.content + last.content, merged(first.calls + last.calls))
 
     @classmethod
     @abstractmethod

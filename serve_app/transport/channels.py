@@ -130,10 +130,6 @@ class WorkerChannels:
             if mailbox.replica == replica and not mailbox.complete:
                 mailbox.broke(f"replica {replica} is leaving")
 
-    @property
-    def open_channels(self) -> int:
-        return len(self._readers)
-
     def _on_replicas(self, replica_ids: frozenset[str]) -> None:
         # Called on the router's thread: the readers belong to the ingress's loop.
         try:

@@ -13,7 +13,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from serve_app.transport.prefix_index import PrefixIndex, block_keys, prompt_text, rendezvous
+from serve_app.transport.prefix_index import (
+    PrefixIndex,
+    block_keys,
+    prompt_text,
+    rendezvous,
+)
 from workers.contract.requests import GenerateRequest
 
 

@@ -19,7 +19,12 @@ from __future__ import annotations
 from ray.serve._private.request_router.pow_2_router import (
     PowerOfTwoChoicesRequestRouter,
 )
-from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RunningReplica
+from ray.serve.request_router import (
+    PendingRequest,
+    ReplicaID,
+    ReplicaResult,
+    RunningReplica,
+)
 
 from serve_app.transport.prefix_routing import PrefixRouting, PrefixRoutingOptions
 from serve_app.transport.replica_directory import (

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serve_app.app_config import ConfigError, parse_app_config
+from serve_app.config.app_config import ConfigError, parse_app_config
 from tests.support.paths import REPO_ROOT
 
 ROOT = REPO_ROOT

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 import yaml
 
-from serve_app.app_config import parse_app_config
+from serve_app.config.app_config import parse_app_config
 from tests.support.paths import REPO_ROOT
 
 ROOT = REPO_ROOT
@@ -27,6 +27,10 @@ MANIFESTS = {
 # What Ray Serve uses when a key is absent (ray.serve.schema.ServeDeploySchema); KubeRay's
 # Serve Service targets port 8000 of each pod, so these must hold for the k8s configs.
 SERVE_DEFAULTS = {"proxy_location": "EveryNode", "http_options": {"host": "0.0.0.0", "port": 8000}}
+# Where a config differs from those on purpose: configs/default.yaml is `make serve` on one
+# machine and binds loopback (its manifest leaves http_options out, so the pods still get
+# SERVE_DEFAULTS' 0.0.0.0, which KubeRay's Service needs).
+LOOPBACK_ONLY = {"default.yaml": {"http_options": {"host": "127.0.0.1", "port": 8000}}}
 
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the CRD is 1 MB: C loader, ~10x faster
 
@@ -86,10 +90,24 @@ def test_serve_config_v2_equals_the_serve_config(name, config_name):
     assert in_manifest == {"applications": serve_config["applications"]}, (
         f"k8s/{name} serveConfigV2 differs from configs/{config_name}: copy its applications: block"
     )
-    # What serveConfigV2 leaves out must be Serve's defaults, which KubeRay relies on.
+    # What serveConfigV2 leaves out must be Serve's defaults, which KubeRay relies on (but
+    # for a loopback host where the config is for one machine only).
     rest = {k: v for k, v in serve_config.items() if k != "applications"}
-    assert rest == SERVE_DEFAULTS
+    assert rest == {**SERVE_DEFAULTS, **LOOPBACK_ONLY.get(config_name, {})}
     parse_app_config(in_manifest["applications"][0]["args"])
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Ray's own pydantic v1-style fields
+def test_serve_defaults_are_what_a_manifest_gets():
+    """A serveConfigV2 without proxy_location and http_options: Ray Serve's schema fills in
+    SERVE_DEFAULTS, so the pods listen on 0.0.0.0:8000 with a proxy on each."""
+    from ray.serve.schema import ServeDeploySchema
+
+    for name in MANIFESTS:
+        config = ServeDeploySchema.model_validate(yaml.safe_load(manifest(name)["spec"]["serveConfigV2"]))
+        http = config.http_options
+        assert {"proxy_location": config.proxy_location.value,
+                "http_options": {"host": http.host, "port": http.port}} == SERVE_DEFAULTS, name
 
 
 def test_gpu_manifest_requests_gpus_and_autoscales():

@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 from tests.support.engines import greedy_outputs, record_preemptions  # noqa: E402
 from tests.support.tiny_models import build_tiny_llama  # noqa: E402
 from workers.contract.sampling_params import SamplingParams  # noqa: E402
-from workers.engine.limits import EngineLimits  # noqa: E402
+from workers.core.limits import EngineLimits  # noqa: E402
 from workers.engine.llm_engine import LLMEngine  # noqa: E402
 from workers.model.attention import register_paged_attention  # noqa: E402
 from workers.model.fused_projections import fuse_sibling_projections  # noqa: E402
@@ -206,7 +206,7 @@ def test_lora_rows_on_cuda_match_peft_merged(graphs, tmp_path):
         write_peft_adapter,
     )
     from workers.contract.lora import LoraRequest
-    from workers.engine.limits import LoraLimits
+    from workers.core.limits import LoraLimits
     from workers.lora.peft_files import read_peft_adapter
 
     cpu_base = build_tiny_llama(VOCAB)

@@ -16,7 +16,7 @@ import ray
 from ray import serve
 
 from serve_app.app import build_app, worker_deployment_name
-from serve_app.app_config import parse_app_config
+from serve_app.config.app_config import parse_app_config
 from serve_app.ingress import ChatIngress
 from tests.support.serve_fixtures import (
     TINY_MODEL_ID,

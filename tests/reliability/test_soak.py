@@ -1,4 +1,4 @@
-"""A short soak (serve_app/soak.py) on the tiny model: mixed requests, nothing lost, and the
+"""A short soak (tools/reliability/soak.py) on the tiny model: mixed requests, nothing lost, and the
 worker back to its baseline (no sequence, no referenced KV block) afterwards.
 `make soak` runs the long one on the default model."""
 

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from serve_app.app_config import ConfigError, ServerOptions, parse_app_config
+from serve_app.config.app_config import ConfigError, ServerOptions, parse_app_config
 from serve_app.http.auth import APIKeyAuth, bearer_token, read_api_keys
 from serve_app.http.errors import APIError
 from tests.support.paths import REPO_ROOT

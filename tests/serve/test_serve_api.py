@@ -244,7 +244,7 @@ def test_worker_calls_go_over_grpc_by_value(tiny_app):
     from ray import serve
 
     from serve_app.app import worker_deployment_name
-    from serve_app.worker_call import over_grpc
+    from serve_app.transport.worker_call import over_grpc
     from workers.contract.chunks import GenerationChunk
     from workers.contract.requests import GenerateRequest
     from workers.contract.sampling_params import SamplingParams

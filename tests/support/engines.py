@@ -11,7 +11,7 @@ import torch
 
 from workers.contract.requests import GenerateRequest
 from workers.contract.sampling_params import SamplingParams
-from workers.engine.limits import EngineLimits
+from workers.core.limits import EngineLimits
 from workers.engine.llm_engine import LLMEngine
 from workers.model.kv_cache import KVCacheShape
 from workers.serving.async_engine import AsyncEngine
@@ -135,7 +135,45 @@ def chat_request(text: str, max_tokens: int | None, **params) -> GenerateRequest
 
 
 def template_ids(tokenizer, text: str) -> list[int]:
-    # The tiny model's template written out by hand (tests/tiny_models.py CHAT_TEMPLATE).
+    # The tiny model's template written out by hand (tests/support/tiny_models.py CHAT_TEMPLATE).
     rendered = f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
     return tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
+
+async def generate(processor, request):
+    """A request's chunks one by one, from a RequestProcessor (which hands out each
+    wake-up's chunks as one list)."""
+    async for batch in processor.stream(request):
+        for chunk in batch:
+            yield chunk
+
+
+def complete_step(scheduler, batch, sampled: list[int]):
+    """What the engine does after a step, for scheduler tests without a model: advance the
+    computed counts, append the sampled tokens, retire finished sequences."""
+    scheduler.advance(batch)
+    return scheduler.append_tokens([c.seq for c in batch.sampling_chunks], sampled)
+
+
+class QueuedEvents:
+    """A RequestStream's events queued for a test to read, a step's batch at a time (the
+    worker's ActiveRequest takes them as its sink instead)."""
+
+    def __init__(self, stream) -> None:
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+        stream.sink = self._queue.put_nowait
+
+    async def next_batch(self) -> list:
+        """The next step's events of the request; raises the exception that failed it."""
+        items = await self._queue.get()
+        for item in items:
+            if isinstance(item, BaseException):
+                raise item
+        return items
+
+    async def __aiter__(self):
+        while not self.finished:
+            events = await self.next_batch()
+            self.finished = any(e.request_finished for e in events)
+            yield events

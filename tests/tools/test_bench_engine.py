@@ -52,7 +52,7 @@ def test_offline_engine_schedules_as_the_serve_config_says(tiny_model):
 
 def test_engine_limits_clip_the_window_and_keep_async_scheduling_to_cuda():
     from workers.contract.model_config import ModelConfig
-    from workers.engine.limits import engine_limits
+    from workers.core.limits import engine_limits
 
     cpu = ModelConfig.model_validate({"id": "m", "engine": {"max_model_len": 8192, "async_scheduling": True}})
     assert engine_limits(cpu, 2048).max_model_len == 2048
@@ -77,7 +77,7 @@ def test_direct_mode_times_both_forwards(tiny_model_dir, capsys):
 
 def test_the_direct_forward_is_a_config_choice():
     from workers.contract.model_config import ModelConfig
-    from workers.engine.limits import engine_limits
+    from workers.core.limits import engine_limits
 
     assert engine_limits(ModelConfig.model_validate({"id": "m"}), 2048).direct_forward is True
     off = ModelConfig.model_validate({"id": "m", "engine": {"direct_forward": False}})

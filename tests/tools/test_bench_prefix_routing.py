@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from serve_app.app_config import parse_app_config
+from serve_app.config.app_config import parse_app_config
 from tools.bench.compare import Model
 from tools.bench.prefix_routing import RouterReport, app_args, table
 

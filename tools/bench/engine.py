@@ -49,8 +49,8 @@ import yaml
 from tools.bench import lora as lora_bench
 from workers.contract.model_config import ModelConfig
 from workers.contract.sampling_params import GuidedDecoding, SamplingParams
+from workers.core.limits import EngineLimits
 from workers.engine.kv_sizing import sized_engine_limits
-from workers.engine.limits import EngineLimits
 from workers.engine.llm_engine import LLMEngine
 from workers.lora.manager import LORA_TARGETS
 from workers.model import cpu_linear
@@ -371,9 +371,11 @@ async def worker_level(processor, prompt: str, concurrency: int, num_requests: i
         async with slots:
             start = time.perf_counter()
             arrivals = []
-            async for chunk in processor.generate(request):
-                arrivals.append(time.perf_counter())
-                tokens += len(chunk.token_ids)
+            async for batch in processor.stream(request):  # each wake-up's chunks, as the worker sends them
+                now = time.perf_counter()
+                for chunk in batch:
+                    arrivals.append(now)
+                    tokens += len(chunk.token_ids)
         ttfts.append((arrivals[0] - start) * 1000)
         if len(arrivals) > 1:
             tpots.append((arrivals[-1] - arrivals[0]) / (len(arrivals) - 1) * 1000)

@@ -29,8 +29,8 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from workers.contract.model_config import EngineConfig
 from workers.contract.sampling_params import SamplingParams
+from workers.core.limits import EngineLimits
 from workers.engine.kv_sizing import resolve_kv_cache_bytes
-from workers.engine.limits import EngineLimits
 from workers.engine.llm_engine import LLMEngine
 from workers.model.attention import register_paged_attention
 from workers.model.fused_projections import fuse_sibling_projections
@@ -240,7 +240,7 @@ def run_shape(shape: str, load: Load, device: torch.device, dtype: torch.dtype, 
         print(decode.profile, flush=True)
     decode_eager_ms = None
     if device.type == "cuda" and cuda_graphs:
-        engine.drop_decode_graphs()  # same engine and cache, eager steps
+        engine.runner.decode_graphs = None  # same engine and cache, eager steps
         decode_eager_ms = engine_decode_ms(engine, random_prompts(load, vocab, load.decode_batch)).step_ms
     del engine
     _free(device)

@@ -70,7 +70,7 @@ async def split_one(processor, clock: EngineClock, request: GenerateRequest) -> 
     clock.reset()
     start = time.perf_counter()
     first = None
-    async for _ in processor.generate(request):
+    async for _ in processor.stream(request):
         if first is None:
             first = time.perf_counter()
     return TtftSplit((clock.added - start) * 1000, (clock.step_began - clock.added) * 1000,

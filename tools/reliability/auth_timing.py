@@ -3,7 +3,7 @@
 The check hashes the presented key (SHA-256) and compares the digest with every stored
 digest by hmac.compare_digest, so its time should not depend on how much of a real key
 was guessed. This prints the median time per check for each kind of guess
-(docs/RELIABILITY.md, "Auth").
+(docs/RELIABILITY.md, "Auth timing").
 
     python -m tools.reliability.auth_timing [--rounds 200000]
 """

@@ -1,4 +1,4 @@
-"""The hostile-input table of docs/RELIABILITY.md: every case the CI tests send
+"""The hostile-input run of docs/RELIABILITY.md, as a table: every case the CI tests send
 (tests/reliability/test_hostile_inputs.py, the bad images of tests/serve/test_vision_serve.py, API keys
 that differ only in length or case), answered by one app on loopback that has API keys
 and a media directory, with its status, error code, param, message and time.

@@ -10,6 +10,7 @@ import json
 
 import llguidance
 
+from workers.contract.errors import WorkerError
 from workers.contract.sampling_params import GuidedDecoding
 
 # Compact JSON (no free whitespace between tokens) keeps outputs short and stops a model
@@ -17,8 +18,12 @@ from workers.contract.sampling_params import GuidedDecoding
 JSON_DEFAULTS = {"whitespace_flexible": False}
 
 
-class GuidedDecodingError(ValueError):
-    """The grammar cannot be compiled, or the request cannot be guided."""
+class GuidedDecodingError(WorkerError, ValueError):
+    """The grammar cannot be compiled, or the request cannot be guided; `param` is the
+    request's constraint field, where the raiser sees it."""
+
+    code = "invalid_grammar"
+    prefix = "the output constraint cannot be used: "
 
 
 def grammar_text(guided: GuidedDecoding) -> str:

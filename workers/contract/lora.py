@@ -10,10 +10,15 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from workers.contract.errors import WorkerError
 
-class LoraAdapterError(ValueError):
+
+class LoraAdapterError(WorkerError, ValueError):
     """An adapter that cannot be served here: a bad path, bad files, or something PEFT
     allows that chatserve does not compute (a 400 naming the adapter)."""
+
+    param = "model"  # the request's `model` names the adapter; the load route's field is `lora_path`
+    code = "invalid_lora_adapter"
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,9 @@ class EngineConfig(_Strict):
         "with a non-zero `priority` is a 400); `priority` by the request's `priority` (lower first), ties in "
         "arrival order, and the running request with the largest (priority, arrival) is preempted first")
     max_model_len: int | None = Field(None, ge=16, description="default: the model's own window")
-    torch_threads: int | None = Field(None, ge=1, description="CPU only; default: all cores")
+    torch_threads: int | None = Field(
+        None, ge=1, description="CPU only; default: the container's CPU quota (cgroup), rounded up, at most the "
+        "CPUs the worker may run on")
     first_token_timeout_s: float | None = Field(None, gt=0, description="end a request with no token by then")
     request_timeout_s: float | None = Field(None, gt=0, description="end a request still running by then")
     step_hang_timeout_s: float = Field(120, gt=0, description="a model step running longer fails the health check")

@@ -17,7 +17,7 @@ from workers.contract.sampling_params import SamplingParams
 @dataclass(frozen=True)
 class ImageData:
     """One image of a chat request: its encoded file (PNG, JPEG, ...), already fetched and
-    size-capped by the ingress (serve_app/media.py); the worker decodes and checks it."""
+    size-capped by the ingress (serve_app/media/images.py); the worker decodes and checks it."""
 
     data: bytes
     param: str  # where the request put it, e.g. "messages.0.content.1.image_url" (named in errors)
@@ -26,8 +26,8 @@ class ImageData:
 @dataclass(frozen=True)
 class ToolPrompt:
     """How tools and earlier calls are written as text for a model whose chat template
-    ignores tools (workers/prompts.py). Built at the ingress by the model's tool-call
-    parser (serve_app/tool_parsers.py), the one module that knows the call format."""
+    ignores tools (workers/text/prompts.py). Built at the ingress by the model's tool-call
+    parser (serve_app/output/tool_parsers.py), the one module that knows the call format."""
 
     system_section: str  # the tool list and the calling convention, added to the system prompt
     call_open: str  # an earlier call is written call_open + {"name", arguments_key} JSON + call_close

@@ -8,7 +8,7 @@ from typing import Literal
 
 @dataclass(frozen=True)
 class GuidedDecoding:
-    """A constraint on the output text, enforced token by token (workers/guided.py).
+    """A constraint on the output text, enforced token by token (workers/sampling/guided.py).
 
     `kind` says how `spec` reads: "json_schema" (the JSON text of a JSON schema),
     "lark" (a llguidance Lark grammar, which may embed schemas with `%json {...}`), or

@@ -16,11 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.engine.batch import ScheduledBatch
+from workers.core.batch import ScheduledBatch
+from workers.core.events import TokenEvent, token_events
+from workers.core.request_table import RequestTable
+from workers.core.sequence import Sequence
 from workers.engine.block_manager import BlockManager
-from workers.engine.events import LiveRequests, TokenEvent, token_events
 from workers.engine.scheduler import Scheduler
-from workers.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ def can_overlap(seq: Sequence) -> bool:
 
 
 class AsyncOverlap:
-    def __init__(self, scheduler: Scheduler, blocks: BlockManager, requests: LiveRequests,
+    def __init__(self, scheduler: Scheduler, blocks: BlockManager, requests: RequestTable,
                  launch_decodes: LaunchDecodes, enabled: bool) -> None:
         """`launch_decodes` is the engine's device half; `requests` its live requests."""
         self.scheduler = scheduler

@@ -8,14 +8,15 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from workers.core.events import TokenEvent
+from workers.core.request_table import RequestTable
+from workers.core.sequence import FinishReason, Sequence
 from workers.engine.beam_search import BeamGroup
-from workers.engine.events import LiveRequests, TokenEvent
 from workers.engine.scheduler import Scheduler
-from workers.engine.sequence import FinishReason, Sequence
 
 
 class BeamCoordinator:
-    def __init__(self, scheduler: Scheduler, requests: LiveRequests, seq_ids: Iterator[int],
+    def __init__(self, scheduler: Scheduler, requests: RequestTable, seq_ids: Iterator[int],
                  abort: Callable[[int], None]) -> None:
         """`requests` and `seq_ids` are the engine's own: beams are choices of their request.
         `abort` is the engine's, which also forgets the request here."""
@@ -42,7 +43,7 @@ class BeamCoordinator:
             self.pending_rows[seq.seq_id] = row
         events: list[TokenEvent] = []
         for request_id in dict.fromkeys(s.request_id for s in seqs):
-            live = self.requests.get(request_id, [])
+            live = self.requests.choices(request_id)
             if live and all(s.seq_id in self.pending_rows for s in live):
                 rows = torch.stack([self.pending_rows.pop(s.seq_id) for s in live])
                 events.extend(self._advance(request_id, live, rows))
@@ -70,11 +71,10 @@ class BeamCoordinator:
             seq.cum_logprob = cum
             if seq.append_token(token) is FinishReason.LENGTH:
                 group.finish_live([(seq.output_token_ids, cum)], "length")
-                self.scheduler.running.remove(seq)
-                self.scheduler.finish(seq, FinishReason.LENGTH)
+                self.scheduler.end_running(seq, FinishReason.LENGTH)
             else:
                 next_live.append(seq)
-        self.requests[request_id] = next_live
+        self.requests.replace(request_id, next_live)
         if not group.is_done([(s.cum_logprob, s.num_output_tokens) for s in next_live]):
             return []
         return self._finish(request_id, group, live[0].num_cached_tokens)

@@ -25,7 +25,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
-from workers.engine.sequence import Sequence
+from workers.core.sequence import Sequence
 
 
 def chain_hash(parent: bytes | None, token_ids: list[int], salt: bytes = b"") -> bytes:

@@ -7,12 +7,12 @@ from collections.abc import Iterator
 
 import torch
 
-from workers.engine.events import LiveRequests
+from workers.core.request_table import RequestTable
+from workers.core.sequence import Sequence
 from workers.engine.scheduler import Scheduler
-from workers.engine.sequence import Sequence
 
 
-def fork_choices(seqs: list[Sequence], scheduler: Scheduler, requests: LiveRequests,
+def fork_choices(seqs: list[Sequence], scheduler: Scheduler, requests: RequestTable,
                  seq_ids: Iterator[int]) -> tuple[list[Sequence], list[int]]:
     """Every sequence that samples this step, forks included, and the row (into `seqs`)
     whose logits each samples from."""
@@ -24,7 +24,7 @@ def fork_choices(seqs: list[Sequence], scheduler: Scheduler, requests: LiveReque
         if seq.needs_fork:
             children = [seq.fork(next(seq_ids), i) for i in range(1, seq.params.n)]
             scheduler.fork(seq, children)
-            requests[seq.request_id].extend(children)
+            requests.add_forks(seq.request_id, children)
             out_seqs.extend(children)
             rows.extend([row] * len(children))
     return out_seqs, rows

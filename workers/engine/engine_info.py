@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from workers.engine.sequence import Sequence
+    from workers.core.sequence import Sequence
 
 
 @dataclass(frozen=True)

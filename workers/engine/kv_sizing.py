@@ -21,7 +21,7 @@ from workers.contract.model_config import (
     ModelConfig,
 )
 from workers.contract.sampling_params import SamplingParams
-from workers.engine.limits import EngineLimits, engine_limits, model_window
+from workers.core.limits import EngineLimits, engine_limits, model_window
 from workers.engine.llm_engine import LLMEngine
 from workers.model.kv_cache import KVCacheShape
 

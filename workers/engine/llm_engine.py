@@ -11,16 +11,23 @@ import itertools
 import torch
 
 from workers.contract.grammar import GuidedDecodingError
-from workers.contract.lora import LoraAdapterError
 from workers.contract.sampling_params import SamplingParams
+from workers.core.adapter_slots import AdapterSlots, NoAdapters
+from workers.core.batch import ScheduledBatch
+from workers.core.events import TokenEvent, token_events
+from workers.core.images import ImageInputs
+from workers.core.limits import CapacityError, EngineLimits, PriorityError
+from workers.core.request_table import RequestTable
+from workers.core.sequence import Adapter, Sequence
 from workers.engine.async_overlap import AsyncOverlap
-from workers.engine.batch import ScheduledBatch
 from workers.engine.beam_coordinator import BeamCoordinator
 from workers.engine.block_manager import BlockManager
 from workers.engine.choices import choice_logits, fork_choices
-from workers.engine.engine_info import EngineDescription, EngineStats, queued_prompt_tokens
-from workers.engine.events import LiveRequests, TokenEvent, token_events
-from workers.engine.limits import CapacityError, EngineLimits, PriorityError
+from workers.engine.engine_info import (
+    EngineDescription,
+    EngineStats,
+    queued_prompt_tokens,
+)
 from workers.engine.model_setup import (
     decode_path,
     guided_decoder,
@@ -34,13 +41,10 @@ from workers.engine.resume import (
     resumed_sequences,
 )
 from workers.engine.scheduler import Scheduler, SchedulerConfig
-from workers.engine.sequence import Sequence
 from workers.engine.step_recovery import StepRecovery
 from workers.lora.manager import LoraManager
-from workers.lora.peft_files import LoraAdapter
 from workers.model.cuda_graphs import DecodeGraphs
 from workers.model.kv_cache import PagedKVCache
-from workers.model.multimodal import ImageInputs
 from workers.sampling.guided import GuideState
 from workers.sampling.logprobs import sampled_logprobs, score_prompts
 from workers.sampling.sampler import Sampler, SamplingTensors
@@ -66,7 +70,7 @@ class LLMEngine:
         self.kv_cache = PagedKVCache(shape, num_blocks, limits.block_size, device, padding_block=path.graphs)
         self.blocks = BlockManager(num_blocks, limits.block_size, limits.enable_prefix_caching)
         # Before the runner: its CUDA graphs capture the LoRA layers too.
-        self.lora = LoraManager(model, limits.lora) if limits.lora is not None else None
+        self.lora: AdapterSlots = LoraManager(model, limits.lora) if limits.lora is not None else NoAdapters()
         self.scheduler = Scheduler(
             SchedulerConfig(limits.max_num_seqs, limits.max_num_batched_tokens,
                             limits.max_prefill_tokens_while_decoding, limits.priority_scheduling),
@@ -76,7 +80,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.guided = guided_decoder(tokenizer, self.vocab_size, eos_token_ids)
         self._ids = itertools.count()
-        self._requests: LiveRequests = {}
+        self._requests = RequestTable()
         self.beams = BeamCoordinator(self.scheduler, self._requests, self._ids, self.abort_request)
         self.recovery = StepRecovery(self.scheduler, self._requests, self.beams.pending_rows, self.abort_request)
         self.overlap = AsyncOverlap(self.scheduler, self.blocks, self._requests, self._launch_decodes,
@@ -110,11 +114,15 @@ class LLMEngine:
         compilation can take milliseconds and is better kept off the engine thread."""
         if params.guided is None:
             return None
-        if params.use_beam_search:
-            raise GuidedDecodingError("guided decoding is not available with beam search")
-        if self.guided is None:
-            raise GuidedDecodingError("this engine has no tokenizer, so it cannot guide decoding")
-        return self.guided.compile(params.guided)
+        try:
+            if params.use_beam_search:
+                raise GuidedDecodingError("guided decoding is not available with beam search")
+            if self.guided is None:
+                raise GuidedDecodingError("this engine has no tokenizer, so it cannot guide decoding")
+            return self.guided.compile(params.guided)
+        except GuidedDecodingError as exc:
+            exc.param = params.guided.param  # the request's constraint field, which the grammar's code never sees
+            raise
 
     def replay_output(self, prompt_token_ids: list[int], params: SamplingParams, outputs: dict[int, list[int]],
                       guide: GuideState | None) -> list[ResumedChoice]:
@@ -124,21 +132,19 @@ class LLMEngine:
         rules = OutputRules(self.eos_token_ids, self.limits.max_model_len, self.vocab_size)
         return replay_choices(prompt_token_ids, outputs, params, guide, rules)
 
-    def check_lora(self, adapter: LoraAdapter) -> None:
+    def check_lora(self, adapter: Adapter) -> None:
         """Raise LoraAdapterError unless this engine can serve `adapter` (LoRA on, targets,
         shapes, rank). Reads only fixed shapes, so any thread may call it."""
-        if self.lora is None:
-            raise LoraAdapterError(f"LoRA adapter {adapter.name!r}: this model serves no LoRA adapters")
         self.lora.check(adapter)
 
-    def add_lora(self, adapter: LoraAdapter) -> None:
+    def add_lora(self, adapter: Adapter) -> None:
         """Register `adapter` for requests that name its key (raises LoraAdapterError)."""
-        self.check_lora(adapter)
+        self.lora.check(adapter)
         self.lora.add(adapter)
 
     def remove_lora(self, key: str) -> bool:
         """Forget an adapter for new requests (its queued and running ones finish with it)."""
-        return self.lora is not None and self.lora.remove(key)
+        return self.lora.remove(key)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, guide: GuideState | None = None, *,
                     images: ImageInputs | None = None, resume: list[ResumedChoice] | None = None,
@@ -167,22 +173,20 @@ class LLMEngine:
             lora=adapter,
         )
         seqs = [seq] if resume is None else resumed_sequences(seq, resume, self._ids)
-        self._requests[seq.request_id] = seqs
+        self._requests.add(seq.request_id, seqs)
         if params.use_beam_search:
             self.beams.start(seq, self.eos_token_ids)
         for choice in seqs:
             self.scheduler.add(choice)
         return seq.request_id
 
-    def _adapter(self, key: str | None) -> LoraAdapter | None:
+    def _adapter(self, key: str | None) -> Adapter | None:
         if key is None:
             return None
-        if self.lora is None:
-            raise LoraAdapterError(f"LoRA adapter {key!r}: this model serves no LoRA adapters")
         return self.lora.get(key)
 
     def abort_request(self, request_id: int) -> None:
-        seqs = self._requests.pop(request_id, [])
+        seqs = self._requests.pop(request_id)
         self.beams.forget(request_id, seqs)
         for seq in seqs:
             self.scheduler.abort(seq)
@@ -231,10 +235,6 @@ class LLMEngine:
     def decode_graphs(self) -> DecodeGraphs | None:
         """The captured decode CUDA graphs (None: decode runs eagerly)."""
         return self.runner.decode_graphs
-
-    def drop_decode_graphs(self) -> None:
-        """Run later decode steps eagerly, on the same cache (benchmarks compare the two)."""
-        self.runner.decode_graphs = None
 
     def step(self) -> list[TokenEvent]:
         """One model step. If it raises, the step is undone and its requests are re-run one

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.engine.limits import EngineLimits
-from workers.lora.manager import LoraManager
+from workers.core.adapter_slots import AdapterSlots, NoAdapters
+from workers.core.limits import EngineLimits
 from workers.model.cuda_graphs import DecodeGraphs
 from workers.model.direct_forward import direct_forward_for
 from workers.model.kv_cache import KVCacheShape, PagedKVCache
@@ -52,9 +52,9 @@ def decode_path(device: torch.device, limits: EngineLimits) -> DecodePath:
 
 
 def model_runner(model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device, path: DecodePath,
-                 limits: EngineLimits, vocab_size: int, lora: LoraManager | None = None) -> ModelRunner:
+                 limits: EngineLimits, vocab_size: int, lora: AdapterSlots = NoAdapters()) -> ModelRunner:
     """The runner, with its decode graphs captured when `path` says so (with and without
-    LoRA rows when `lora` is given)."""
+    LoRA rows when `lora` has slots)."""
     runner = ModelRunner(model, kv_cache, device, triton_decode=path.triton, lora=lora)
     if path.direct:  # never with LoRA (decode_path)
         runner.direct = direct_forward_for(model)

@@ -16,15 +16,20 @@ import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from workers.contract.errors import WorkerError
 from workers.contract.grammar import GuidedDecodingError
 from workers.contract.sampling_params import SamplingParams
-from workers.engine.sequence import FinishReason, Sequence
+from workers.core.sequence import FinishReason, Sequence
 from workers.sampling.guided import GuideState
 
 
-class ContinuationError(ValueError):
+class ContinuationError(WorkerError, ValueError):
     """The given output cannot be continued: an id outside the vocabulary, ids past the
     output's own end, or ids the request's grammar rejects."""
+
+    param = "resume"
+    code = "invalid_continuation"
+    prefix = "the request cannot be resumed: "
 
 
 @dataclass

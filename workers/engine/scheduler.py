@@ -25,11 +25,11 @@ import time
 from bisect import insort
 from collections import deque
 from dataclasses import dataclass
-from typing import Protocol
 
-from workers.engine.batch import ScheduledBatch, ScheduledChunk
+from workers.core.adapter_slots import AdapterSlots, NoAdapters
+from workers.core.batch import ScheduledBatch, ScheduledChunk
+from workers.core.sequence import FinishReason, Sequence, SequenceStatus
 from workers.engine.block_manager import BlockManager
-from workers.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)
@@ -53,19 +53,9 @@ def _adapter_slot(chunk: ScheduledChunk) -> int:
     return -1 if chunk.seq.lora_slot is None else chunk.seq.lora_slot
 
 
-class AdapterSlots(Protocol):
-    """The engine's LoRA slots (workers/lora/manager.py): a sequence holds its adapter's slot while it runs."""
-
-    def admit(self, seq: Sequence) -> bool: ...
-
-    def share(self, parent: Sequence, child: Sequence) -> None: ...
-
-    def release(self, seq: Sequence) -> None: ...
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 lora: AdapterSlots | None = None) -> None:
+                 lora: AdapterSlots = NoAdapters()) -> None:
         self.config = config
         self.blocks = block_manager
         self.lora = lora
@@ -98,8 +88,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.blocks.free(seq)
-        if self.lora is not None:
-            self.lora.release(seq)
+        self.lora.release(seq)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -108,7 +97,7 @@ class Scheduler:
         budget = self._schedule_running(batch, budget)
         if not batch.preempted:
             self._schedule_waiting(batch, budget)
-        if self.lora is not None:
+        if self.lora.num_slots:
             # Prompt chunks of one adapter side by side: the LoRA layers then take one run of
             # rows per adapter, not one per chunk (workers/lora/layers.py). The order of a
             # step's chunks means nothing else.
@@ -210,19 +199,13 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.blocks.free(seq)
-        if self.lora is not None:
-            self.lora.release(seq)
+        self.lora.release(seq)
         seq.status = SequenceStatus.WAITING
         if self.config.priority:
             insort(self.waiting, seq, key=priority_key)
         else:
             self.waiting.appendleft(seq)  # it arrived before anyone still waiting
         batch.preempted.append(seq)
-
-    def complete_step(self, batch: ScheduledBatch, sampled: list[int]) -> list[tuple[Sequence, int, FinishReason | None]]:
-        """Advance computed counts, append sampled tokens, retire finished sequences."""
-        self.advance(batch)
-        return self.append_tokens([c.seq for c in batch.sampling_chunks], sampled)
 
     def advance(self, batch: ScheduledBatch) -> None:
         """The step's tokens are now in the KV cache; blocks they filled become cacheable."""
@@ -235,9 +218,18 @@ class Scheduler:
         position = self.running.index(parent) + 1
         for child in children:
             self.blocks.fork(parent, child)
-            if self.lora is not None:
-                self.lora.share(parent, child)
+            self.lora.share(parent, child)
         self.running[position:position] = children
+
+    def run_alone(self, request_id: int | None) -> None:
+        """Schedule only `request_id`'s sequences (None: everyone again): step recovery
+        isolates a failing step's requests this way."""
+        self.only_request = request_id
+
+    def end_running(self, seq: Sequence, reason: FinishReason) -> None:
+        """A running sequence ended outside a step's sampling (a beam at its length limit)."""
+        self.running.remove(seq)
+        self.finish(seq, reason)
 
     def drop(self, seq: Sequence) -> None:
         """Remove a running sequence that is no longer needed (a beam not continued)."""

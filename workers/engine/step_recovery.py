@@ -11,10 +11,11 @@ from dataclasses import dataclass
 import torch
 
 from workers.contract.grammar import GuidedDecodingError
-from workers.engine.batch import ScheduledBatch
-from workers.engine.events import LiveRequests, TokenEvent
+from workers.core.batch import ScheduledBatch
+from workers.core.events import TokenEvent
+from workers.core.request_table import RequestTable
+from workers.core.sequence import FinishReason, Sequence
 from workers.engine.scheduler import Scheduler
-from workers.engine.sequence import FinishReason, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -29,26 +30,26 @@ class StepSnapshot:
     pending_beam_rows: dict[int, torch.Tensor]
 
     @classmethod
-    def take(cls, batch: ScheduledBatch, requests: LiveRequests, pending: dict[int, torch.Tensor]) -> "StepSnapshot":
+    def take(cls, batch: ScheduledBatch, requests: RequestTable, pending: dict[int, torch.Tensor]) -> "StepSnapshot":
         seqs = [c.seq for c in batch.decodes + batch.prefills]
         request_ids = list(dict.fromkeys(s.request_id for s in seqs))
         return cls(
             request_ids=request_ids,
             seqs=[(s, s.num_computed_tokens, s.num_tokens, s.cum_logprob) for s in seqs],
-            groups={r: list(requests.get(r, [])) for r in request_ids},
+            groups={r: list(requests.choices(r)) for r in request_ids},
             pending_beam_rows=dict(pending),
         )
 
-    def restore(self, scheduler: Scheduler, requests: LiveRequests, pending: dict[int, torch.Tensor]) -> bool:
+    def restore(self, scheduler: Scheduler, requests: RequestTable, pending: dict[int, torch.Tensor]) -> bool:
         """Undo the step; False when a sequence already finished (its events would be lost)."""
         if any(seq.is_finished for seq, *_ in self.seqs):
             return False
         for request_id, before in self.groups.items():
             known = {id(s) for s in before}
-            for seq in requests.get(request_id, []):
+            for seq in requests.choices(request_id):
                 if id(seq) not in known:  # forked during the failed step
                     scheduler.drop(seq)
-            requests[request_id] = before
+            requests.replace(request_id, before)
         for seq, computed, length, cum in self.seqs:
             # Blocks the failed step registered in the prefix cache stay: they were only
             # registered after the forward pass wrote them, so their K/V are right.
@@ -63,7 +64,7 @@ class StepSnapshot:
 
 
 class StepRecovery:
-    def __init__(self, scheduler: Scheduler, requests: LiveRequests, pending_beam_rows: dict[int, torch.Tensor],
+    def __init__(self, scheduler: Scheduler, requests: RequestTable, pending_beam_rows: dict[int, torch.Tensor],
                  abort: Callable[[int], None]) -> None:
         """The engine's scheduler, live requests and parked beam rows (restored in place),
         and its `abort`, which fails a request."""
@@ -81,7 +82,7 @@ class StepRecovery:
         request_ids = snapshot.request_ids
         if len(request_ids) > 1 and snapshot.restore(self.scheduler, self.requests, self.pending_beam_rows):
             self._suspects = [r for r in request_ids if r in self.requests]
-            self.scheduler.only_request = self._suspects[0]
+            self.scheduler.run_alone(self._suspects[0])
             return []
         # Alone (or not restorable): these requests fail; everyone else goes on.
         logger.exception("model step failed for request(s) %s", request_ids)
@@ -100,4 +101,4 @@ class StepRecovery:
         """After a step, while suspects run alone: the next live one runs alone (none: all run)."""
         if self.scheduler.only_request is not None:
             self._suspects = [r for r in self._suspects[1:] if r in self.requests]
-            self.scheduler.only_request = self._suspects[0] if self._suspects else None
+            self.scheduler.run_alone(self._suspects[0] if self._suspects else None)

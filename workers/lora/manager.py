@@ -7,16 +7,23 @@ asks it for a step's runs); `check` reads only fixed shapes, so any thread may c
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from workers.contract.lora import LoraAdapterError
-from workers.engine.batch import ScheduledChunk
-from workers.engine.limits import LoraLimits
-from workers.engine.sequence import Sequence
-from workers.lora.layers import GroupedRuns, LoraContext, LoraLinear, LoraSegments
+from workers.core.batch import ScheduledChunk
+from workers.core.limits import LoraLimits
+from workers.core.sequence import Sequence
+from workers.lora.layers import (
+    GroupedRuns,
+    LoraContext,
+    LoraLinear,
+    LoraRowMask,
+    LoraSegments,
+)
 from workers.lora.peft_files import LoraAdapter, LoraModule
 from workers.lora.slots import LoraSlots
 from workers.model.cpu_linear import PackedLinear
@@ -39,6 +46,8 @@ class LoraTarget:
 
 
 class LoraManager:
+    """The engine's AdapterSlots (workers/core/adapter_slots.py) when the model serves adapters."""
+
     def __init__(self, model: nn.Module, limits: LoraLimits) -> None:
         self.limits = limits
         self.context = LoraContext()
@@ -47,6 +56,10 @@ class LoraManager:
             raise ValueError(f"the model has no LoRA target layer ({', '.join(LORA_TARGETS)})")
         self.slots = LoraSlots(limits.max_loras)
         self.adapters: dict[str, LoraAdapter] = {}  # registered, by key
+
+    @property
+    def num_slots(self) -> int:
+        return self.limits.max_loras
 
     # --- adapters ---------------------------------------------------------------------
 
@@ -69,8 +82,7 @@ class LoraManager:
                     f"features, the model's layer {in_features} -> {out_features} (another base model?)")
 
     def add(self, adapter: LoraAdapter) -> None:
-        """Register `adapter` for new requests (checked first; raises LoraAdapterError)."""
-        self.check(adapter)
+        """Register `adapter` for new requests; the caller has checked it (`check`)."""
         self.adapters[adapter.key] = adapter
 
     def remove(self, key: str) -> bool:
@@ -140,6 +152,16 @@ class LoraManager:
             return None
         grouped = GroupedRuns.of(decode_runs)
         return LoraSegments(tuple(prefill_runs if grouped else decode_runs + prefill_runs), grouped)
+
+    def step(self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]) -> AbstractContextManager:
+        """The step's adapter runs set in the LoRA layers while the model runs."""
+        return self.context.active(self.segments(decodes, prefills))
+
+    def graph_step(self, slot_row: torch.Tensor, dtype: torch.dtype) -> AbstractContextManager:
+        """The LoRA layers' step inside a CUDA graph: each row's slot one-hot, computed on the
+        device from the graph's slot-index input row (a padding row's `num_slots` matches none)."""
+        slots = torch.arange(self.num_slots, device=slot_row.device)
+        return self.context.active(LoraRowMask((slot_row.unsqueeze(1) == slots).to(dtype)))
 
     def row_slots(self, decodes: list[ScheduledChunk]) -> list[int]:
         """Each decode's slot, `max_loras` for none (a CUDA graph's slot-index input)."""

@@ -4,8 +4,8 @@ bfloat16: `torch.nn.functional.linear` on CPU reorders the weight into oneDNN's 
 layout on every call; a decode step calls it ~200 times. Reordering once at load time
 (what torch.compile's CPU freezing and IPEX do) makes each call 1.5-2.8x faster on an
 AMX machine; the default model's decode step is 1.2-1.4x faster than plain bfloat16 and
-1.2x (batch 1) to 2.3x (batch 64) faster than float32 (docs/BENCHMARKS.md, "bfloat16 on
-this CPU"). The results are plain bfloat16's: both accumulate in float32. A weight tied
+1.2x (batch 1) to 2.3x (batch 64) faster than float32 (docs/BENCHMARKS.md, "Engine
+probes and design choices"). The results are plain bfloat16's: both accumulate in float32. A weight tied
 to the input embedding is packed as a copy (the embedding keeps its own).
 
 float32: torch runs float32 linears through MKL, whose small-batch kernels are slow on

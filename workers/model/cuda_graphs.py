@@ -27,12 +27,11 @@ from contextlib import nullcontext
 
 import torch
 
-from workers.engine.batch import ScheduledChunk
-from workers.lora.layers import LoraRowMask
-from workers.lora.manager import LoraManager
+from workers.core.adapter_slots import AdapterSlots, NoAdapters
+from workers.core.batch import ScheduledChunk
 from workers.model.attention import AttentionMetadata
 from workers.model.kv_cache import PagedKVCache
-from workers.model.runner import decode_block_tables, decode_rows
+from workers.model.step_inputs import decode_block_tables, decode_rows
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +47,7 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, max_batch: int, max_model_len: int,
-                 vocab_size: int, lora: LoraManager | None = None) -> None:
+                 vocab_size: int, lora: AdapterSlots = NoAdapters()) -> None:
         if kv_cache.padding_block is None:
             raise ValueError("CUDA graphs need a KV cache with a padding block")
         self.model = model
@@ -60,7 +59,7 @@ class DecodeGraphs:
         device = kv_cache.keys.device
         width = -(-max_model_len // kv_cache.block_size)
         self.lora = lora
-        no_adapter = lora.limits.max_loras if lora is not None else 0
+        no_adapter = lora.num_slots
         # Rows: token ids, positions, KV slots, context lengths, LoRA slots (max_loras: none);
         # one buffer, so one copy fills them.
         self.step_inputs = torch.tensor([[0], [0], [self.pad_slot], [1], [no_adapter]],
@@ -88,7 +87,7 @@ class DecodeGraphs:
         each graph's activations are free again once it finishes."""
         start = time.perf_counter()
         pool = None
-        variants = (False, True) if self.lora is not None else (False,)
+        variants = (False, True) if self.lora.num_slots else (False,)
         for size in reversed(self.sizes):
             for with_lora in variants:
                 self._forward(size, with_lora)  # warm-up: cuBLAS handles, Triton compile, lazy inits
@@ -112,20 +111,12 @@ class DecodeGraphs:
             decode_context_lens=self.context_lens[:size],
             triton_decode=True,
         )
-        with self._lora_rows(size, with_lora):
+        dtype = self.model.get_input_embeddings().weight.dtype
+        lora_rows = self.lora.graph_step(self.lora_slots[:size], dtype) if with_lora else nullcontext()
+        with lora_rows:
             out = self.model(input_ids=self.input_ids[:, :size], position_ids=self.positions[:, :size],
                              attn_metadata=meta, logits_to_keep=0, use_cache=False)
         self.logits[:size].copy_(out.logits[0])
-
-    def _lora_rows(self, size: int, with_lora: bool):
-        """The LoRA layers' step inside the graph: each row's slot one-hot, computed on the
-        device from the slot-index input row (a padding row's `max_loras` matches none)."""
-        if not with_lora:
-            return nullcontext()
-        dtype = self.model.get_input_embeddings().weight.dtype
-        slots = torch.arange(self.no_adapter, device=self.lora_slots.device)
-        onehot = (self.lora_slots[:size].unsqueeze(1) == slots).to(dtype)
-        return self.lora.context.active(LoraRowMask(onehot))
 
     def run(self, decodes: list[ScheduledChunk], token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Fill the static inputs (padding rows included, so no stale row writes a live
@@ -138,7 +129,7 @@ class DecodeGraphs:
         ids, positions, slots = decode_rows(decodes, self.block_size, token_ids is None)
         ctx_lens = [p + 1 for p in positions]
         tables = decode_block_tables(decodes, ctx_lens, self.block_size, self.pad_block, rows=size)
-        adapters = self.lora.row_slots(decodes) if self.lora is not None else [self.no_adapter] * n
+        adapters = self.lora.row_slots(decodes)
         rows = [ids + [0] * pad, positions + [0] * pad, slots + [self.pad_slot] * pad, ctx_lens + [1] * pad,
                 adapters + [self.no_adapter] * pad]
         self.step_inputs[:, :size].copy_(torch.tensor(rows), non_blocking=True)

@@ -123,8 +123,8 @@ def load_model(
     fuse_projections: bool = True,
 ) -> LoadedModel:
     """`fuse_projections`: each layer's q/k/v and gate/up projections run as one matrix
-    multiply each (workers/fused_projections.py). `pack_cpu_weights`: a CPU model's linear
-    weights are packed for oneDNN once (workers/cpu_linear.py): always in bfloat16 (the same
+    multiply each (workers/model/fused_projections.py). `pack_cpu_weights`: a CPU model's linear
+    weights are packed for oneDNN once (workers/model/cpu_linear.py): always in bfloat16 (the same
     numbers, faster), in float32 where a short probe finds oneDNN faster than torch's own
     linear on this CPU."""
     path = prepare_model_dir(source, cache_dir)

@@ -1,46 +1,28 @@
-"""A request's images inside the engine: the processor's pixel inputs, then the
-vision features they become, pinned to the prompt positions of their placeholders.
+"""Encoding a request's images, once: the vision tower turns the processor's pixel inputs into
+one feature row per placeholder position of the prompt (workers/core/images.py holds both).
 
 The features are computed once, when the engine takes the request (vision tower and
 projector, through the model's own `get_image_features`), and kept on the sequence.
 A step that feeds any placeholder position overwrites that position's text embedding
-with its feature row (model_runner.py), so chunked prefill, preemption-by-recompute
+with its feature row (workers/model/runner.py), so chunked prefill, preemption-by-recompute
 and batching with text requests need nothing else.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from workers.contract.errors import WorkerError
+from workers.core.images import ImageFeatures, ImageInputs
 
-class ImageEncodeError(RuntimeError):
+
+class ImageEncodeError(WorkerError, RuntimeError):
     """The vision tower failed, or its output does not fit the prompt's placeholders
     (a model/processor mismatch): the request fails with a 500, the engine goes on."""
 
-
-@dataclass(frozen=True)
-class ImageInputs:
-    """Prepared on the worker's event loop (vision_prompts.py) for one request."""
-
-    pixel_inputs: dict[str, torch.Tensor]  # the processor's image outputs: pixel_values, image_sizes, ...
-    positions: torch.Tensor  # [K] prompt positions of the image placeholder tokens, ascending
-    salt: bytes  # a hash of the images: Sequence.cache_salt
-
-
-@dataclass(frozen=True)
-class ImageFeatures:
-    """One embedding row per placeholder position of a sequence's prompt."""
-
-    positions: torch.Tensor  # [K] long, ascending, on the CPU
-    embeds: torch.Tensor  # [K, hidden], on the model's device, in its dtype
-
-    def rows(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(positions, embeddings) of the placeholders in positions [start, end)."""
-        lo = int(torch.searchsorted(self.positions, start))
-        hi = int(torch.searchsorted(self.positions, end))
-        return self.positions[lo:hi], self.embeds[lo:hi]
+    status = 500
+    type = "internal_error"
+    code = "engine_error"
 
 
 def encode_images(model: torch.nn.Module, inputs: ImageInputs, device: torch.device) -> ImageFeatures:

@@ -15,38 +15,33 @@ by the sequences' precomputed image features. Every other step feeds `input_ids`
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from workers.engine.batch import PromptLogitRows, ScheduledChunk
-from workers.engine.sequence import Sequence
+from workers.core.adapter_slots import AdapterSlots, NoAdapters
+from workers.core.batch import PromptLogitRows, ScheduledChunk
+from workers.core.images import ImageFeatures, ImageInputs
 from workers.model.attention import AttentionMetadata, PrefillSpan
 from workers.model.kv_cache import PagedKVCache
-from workers.model.multimodal import ImageFeatures, ImageInputs, encode_images
+from workers.model.multimodal import encode_images
+from workers.model.step_inputs import (
+    ImageRows,
+    ModelInputs,
+    decode_block_tables,
+    decode_rows,
+    feeds_images,
+    prompt_logprob_rows,
+)
 
 if TYPE_CHECKING:
-    from workers.lora.manager import LoraManager
     from workers.model.cuda_graphs import DecodeGraphs
     from workers.model.direct_forward import DirectForward
 
 
-@dataclass
-class ModelInputs:
-    input_ids: torch.Tensor  # [1, T]
-    position_ids: torch.Tensor  # [1, T]
-    logits_indices: torch.Tensor  # [S + prompt rows]
-    attn_metadata: AttentionMetadata
-    prompt_rows: list[PromptLogitRows]
-    image_indices: torch.Tensor | None = None  # [I] packed positions fed by image features
-    image_embeds: torch.Tensor | None = None  # [I, hidden]
-
-
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device,
-                 triton_decode: bool = False, lora: LoraManager | None = None) -> None:
+                 triton_decode: bool = False, lora: AdapterSlots = NoAdapters()) -> None:
         """`triton_decode`: decode rows use the paged Triton kernel (CUDA) instead of a
         masked SDPA over a padded gather. `lora`: the model's LoRA layers and slots."""
         self.model = model
@@ -69,9 +64,9 @@ class ModelRunner:
         `decode_token_ids` [D] (on the device): the decode rows' input tokens when they are
         not on the host yet (async scheduling: the previous step's samples)."""
         graphs = self.decode_graphs
-        if graphs is not None and not prefills and graphs.fits(len(decodes)) and not _feeds_images(decodes):
+        if graphs is not None and not prefills and graphs.fits(len(decodes)) and not feeds_images(decodes):
             return graphs.run(decodes, decode_token_ids), []
-        order = self.lora.decode_order(decodes) if self.lora is not None else None
+        order = self.lora.decode_order(decodes)
         if order is not None:
             decodes = [decodes[i] for i in order]
             if decode_token_ids is not None:
@@ -84,7 +79,7 @@ class ModelRunner:
             feed = {"input_ids": inputs.input_ids}
         else:
             feed = {"inputs_embeds": self._embeds_with_images(inputs)}
-        with self._lora_step(decodes, prefills):
+        with self.lora.step(decodes, prefills):
             out = self.model(
                 **feed,
                 position_ids=inputs.position_ids,
@@ -96,12 +91,6 @@ class ModelRunner:
         if order is not None:
             logits[: len(order)] = logits[: len(order)][_inverse(order, logits.device)]
         return logits, inputs.prompt_rows
-
-    def _lora_step(self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]):
-        """The step's adapter runs set in the LoRA layers while the model runs (none: plain path)."""
-        if self.lora is None:
-            return nullcontext()
-        return self.lora.context.active(self.lora.segments(decodes, prefills))
 
     def encode_images(self, images: ImageInputs) -> ImageFeatures:
         return encode_images(self.model, images, self.device)
@@ -118,7 +107,7 @@ class ModelRunner:
                 decode_token_ids: torch.Tensor | None = None) -> ModelInputs:
         """`decode_token_ids`: see forward()."""
         token_ids, positions, slots = decode_rows(decodes, self.block_size, decode_token_ids is None)
-        images = _ImageRows()
+        images = ImageRows()
         for row, chunk in enumerate(decodes):
             images.add(chunk.seq, positions[row], 1, row)
         decode_ctx_lens = [p + 1 for p in positions]
@@ -139,7 +128,7 @@ class ModelRunner:
             pos_parts.append(all_pos[start:])
             slot_parts.append(all_slots[start:])
             spans.append(self._prefill_span(offset, start, n, all_slots))
-            rows = _prompt_logprob_rows(seq, start, n)
+            rows = prompt_logprob_rows(seq, start, n)
             if rows is not None:
                 prompt_rows.append(rows)
                 prompt_indices.extend(range(offset + rows.first_position - start, offset + rows.first_position - start + rows.count))
@@ -202,67 +191,3 @@ class ModelRunner:
 def _inverse(order: list[int], device: torch.device) -> torch.Tensor:
     """Row i of the sorted step is row order[i] of the caller's: where each caller's row went."""
     return torch.argsort(torch.tensor(order)).to(device)
-
-
-def decode_rows(decodes: list[ScheduledChunk], block_size: int,
-                with_tokens: bool = True) -> tuple[list[int], list[int], list[int]]:
-    """(input token ids, positions, KV slots) of the decode rows: each feeds the token at
-    its first uncomputed position. `with_tokens` False: the ids are 0, for the caller to
-    fill from the device (async scheduling: they are not on the host yet)."""
-    ids, positions, slots = [], [], []
-    for chunk in decodes:
-        seq = chunk.seq
-        pos = seq.num_computed_tokens
-        ids.append(seq.token_ids[pos] if with_tokens else 0)
-        positions.append(pos)
-        slots.append(seq.block_table[pos // block_size] * block_size + pos % block_size)
-    return ids, positions, slots
-
-
-def decode_block_tables(decodes: list[ScheduledChunk], ctx_lens: list[int], block_size: int,
-                        pad_block: int = 0, rows: int | None = None) -> torch.Tensor:
-    """[rows, W] long: each decode's blocks that hold context (a sequence may own more,
-    reserved ahead), padded with `pad_block`; rows past the decodes are all padding."""
-    tables = [c.seq.block_table[: (n + block_size - 1) // block_size] for c, n in zip(decodes, ctx_lens)]
-    width = max(len(t) for t in tables)
-    padded = [t + [pad_block] * (width - len(t)) for t in tables]
-    padded += [[pad_block] * width] * ((rows or len(decodes)) - len(decodes))
-    return torch.tensor(padded, dtype=torch.long)
-
-
-def _feeds_images(decodes: list[ScheduledChunk]) -> bool:
-    """A decode row at an image placeholder (a prompt's last token) needs the eager path."""
-    for chunk in decodes:
-        features, pos = chunk.seq.image_features, chunk.seq.num_computed_tokens
-        if features is not None and features.rows(pos, pos + 1)[0].numel():
-            return True
-    return False
-
-
-class _ImageRows:
-    """Packed positions of this step that image features feed, and those features."""
-
-    def __init__(self) -> None:
-        self.indices: list[torch.Tensor] = []
-        self.embeds: list[torch.Tensor] = []
-
-    def add(self, seq: Sequence, start: int, n: int, offset: int) -> None:
-        if seq.image_features is None:
-            return
-        positions, embeds = seq.image_features.rows(start, start + n)
-        if positions.numel():
-            self.indices.append(positions - start + offset)
-            self.embeds.append(embeds)
-
-    def tensors(self, device: torch.device) -> dict[str, torch.Tensor]:
-        if not self.indices:
-            return {}
-        return {"image_indices": torch.cat(self.indices).to(device), "image_embeds": torch.cat(self.embeds)}
-
-
-def _prompt_logprob_rows(seq: Sequence, start: int, n: int) -> PromptLogitRows | None:
-    """Positions of this chunk whose logits score a later prompt token, if the request asks."""
-    if seq.params.prompt_logprobs is None or seq.num_output_tokens > 0:
-        return None  # not asked, or a recompute after preemption (already scored)
-    end = min(start + n, seq.num_prompt_tokens - 1)
-    return PromptLogitRows(seq, start, end - start) if end > start else None

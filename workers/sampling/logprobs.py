@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from workers.engine.batch import PromptLogitRows
-    from workers.engine.sequence import Sequence
+    from workers.core.batch import PromptLogitRows
+    from workers.core.sequence import Sequence
 
 TopList = list[tuple[int, float]]
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.engine.sequence import Sequence
+from workers.core.sequence import Sequence
 from workers.sampling.guided import GuidedMask
 from workers.sampling.seeded_draws import SeededRows
 

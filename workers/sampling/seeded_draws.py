@@ -21,31 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-_MASK = 0xFFFFFFFF
-_MUL_1, _MUL_2 = 0x21F0AAAD, 0x735A2D97  # lowbias32's multipliers, both below 2**31
-_LANE_SALTS = (0x9E3779B9, 0x85EBCA6B)
+from workers.core.seed_streams import MASK, mix
+
 _UNIT = 2.0**-24  # float32 holds 24 bits of mantissa
-
-
-def _mix(x):
-    """lowbias32 on values below 2**32: Python ints or int64 arrays alike."""
-    x = x ^ (x >> 16)
-    x = (x * _MUL_1) & _MASK
-    x = x ^ (x >> 15)
-    x = (x * _MUL_2) & _MASK
-    return x ^ (x >> 15)
-
-
-def stream_key(seed: int, choice: int) -> tuple[int, int]:
-    """Both lanes' state after hashing the seed (0 .. 2**63 - 1, the API's range) and the
-    choice index: fixed for a sequence, so a step only hashes the output position."""
-    words = (seed & _MASK, (seed >> 32) & _MASK, choice & _MASK)
-    lanes = []
-    for state in _LANE_SALTS:
-        for word in words:
-            state = _mix(state ^ word)
-        lanes.append(state)
-    return lanes[0], lanes[1]
 
 
 @dataclass
@@ -64,7 +42,7 @@ class SeededRows:
 
     def uniforms(self, device: torch.device) -> torch.Tensor:
         """[R] float32 in [0, 1) on `device`: one number per row."""
-        state = _mix(self.keys ^ (self.positions & _MASK))
+        state = mix(self.keys ^ (self.positions & MASK))
         # Below 2**24 times a power of two: exact in float32.
         drawn = ((state[0] ^ state[1]) >> 8).astype(np.float32) * np.float32(_UNIT)
         return torch.from_numpy(drawn).to(device)

@@ -9,13 +9,14 @@ outbox. The request's own coroutine only waits for the end (or a timeout).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass
 
 from workers.contract.chunks import ErrorInfo, GenerationChunk
-from workers.engine.events import TokenEvent
-from workers.model.multimodal import ImageEncodeError
-from workers.serving.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from workers.contract.errors import WorkerError
+from workers.core.events import TokenEvent
+from workers.serving.async_engine import AsyncEngine, RequestStream
 from workers.serving.choice_output import ChoiceOutput, Usage
 from workers.serving.outbox import ChunkOutbox
 
@@ -152,10 +153,9 @@ class ActiveRequest:
 
 
 def _exception_error(exc: BaseException) -> GenerationChunk:
-    if isinstance(exc, EngineDeadError):
-        return GenerationChunk(error=ErrorInfo(500, str(exc), type="server_error", code="engine_dead"))
-    if isinstance(exc, ImageEncodeError):
-        return GenerationChunk(error=ErrorInfo(500, str(exc), type="internal_error", code="engine_error"))
+    """An admitted request's failure: the server's, whatever the error (a 500)."""
+    if isinstance(exc, WorkerError):
+        return GenerationChunk(error=dataclasses.replace(exc.info(), status=500))
     return GenerationChunk(error=ErrorInfo(500, f"this request failed inside the engine ({type(exc).__name__}: "
                                                 f"{exc})", type="internal_error", code="engine_error"))
 

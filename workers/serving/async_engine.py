@@ -14,25 +14,30 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from workers.contract.errors import WorkerError
 from workers.contract.lora import LoraAdapterError
 from workers.contract.sampling_params import SamplingParams
+from workers.core.events import TokenEvent
+from workers.core.images import ImageInputs
+from workers.core.limits import EngineLimits
 from workers.engine.engine_info import EngineDescription, EngineStats
-from workers.engine.events import TokenEvent
-from workers.engine.limits import EngineLimits
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.resume import ResumedChoice
 from workers.lora.peft_files import LoraAdapter
-from workers.model.multimodal import ImageInputs
 from workers.sampling.guided import GuideState
 
 logger = logging.getLogger(__name__)
 
 
-class EngineDeadError(RuntimeError):
+class EngineDeadError(WorkerError, RuntimeError):
     """The engine thread stopped; no request can make progress."""
+
+    status = 503
+    type = "server_error"
+    code = "engine_dead"
 
 
 @dataclass
@@ -62,42 +67,15 @@ class _RemoveLora:
 
 
 class RequestStream:
-    """Tokens of one request (all its choices), as the engine produces them.
-
-    Either queued for a reader (`next`, `async for`), or, when `sink` is set, handed to it
-    on the event loop as they arrive: a step's events of the request (or the exception
-    that failed it) in one call, with no task switch in between."""
+    """Tokens of one request (all its choices), as the engine produces them: handed to
+    `sink` on the event loop, a step's events of the request (or the exception that failed
+    it) in one call, with no task switch in between. The caller of `add_request` sets
+    `sink` before its event loop runs again (events arrive by the loop, never sooner)."""
 
     def __init__(self) -> None:
         self.request_id: int | None = None
-        self._queue: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
-        self.finished = False
+        self.finished = False  # set by the sink's owner when the request's last event arrived
         self.sink: Callable[[list[TokenEvent | BaseException]], None] | None = None
-
-    def put(self, item: TokenEvent | BaseException) -> None:
-        self._queue.put_nowait(item)
-
-    async def next_batch(self) -> list[TokenEvent]:
-        """Wait for at least one event, then take every event already queued (no timer)."""
-        items = [await self._queue.get()]
-        while not self._queue.empty():
-            items.append(self._queue.get_nowait())
-        for item in items:
-            if isinstance(item, BaseException):
-                raise item
-        return items  # type: ignore[return-value]
-
-    async def next(self, timeout: float | None = None) -> list[TokenEvent]:
-        """The next batch of events; raises TimeoutError after `timeout` seconds without one."""
-        events = await asyncio.wait_for(self.next_batch(), timeout)
-        self.finished = any(e.request_finished for e in events)
-        return events
-
-    async def __aiter__(self) -> AsyncIterator[list[TokenEvent]]:
-        while not self.finished:
-            events = await self.next_batch()
-            self.finished = any(e.request_finished for e in events)
-            yield events
 
 
 class AsyncEngine:
@@ -293,7 +271,7 @@ class AsyncEngine:
                 cmd.stream.request_id = request_id
                 self._streams[request_id] = cmd.stream
             elif isinstance(cmd, _AddLora):
-                self._engine.add_lora(cmd.adapter)  # checked by add_lora already
+                self._engine.lora.add(cmd.adapter)  # checked once, on the caller's thread (add_lora)
             elif isinstance(cmd, _RemoveLora):
                 self._engine.remove_lora(cmd.key)
             elif cmd.stream.request_id is not None:
@@ -305,10 +283,7 @@ def _deliver(routed: list[tuple[RequestStream, TokenEvent | BaseException]]) -> 
     """Runs on the event loop: hand each stream its share of a step, in one piece."""
     by_stream: dict[RequestStream, list[TokenEvent | BaseException]] = {}
     for stream, item in routed:
-        if stream.sink is None:
-            stream.put(item)
-        else:
-            by_stream.setdefault(stream, []).append(item)
+        by_stream.setdefault(stream, []).append(item)
     for stream, items in by_stream.items():
         try:
             stream.sink(items)

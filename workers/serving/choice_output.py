@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 from workers.contract.chunks import GenerationChunk, TokenLogprob, TopLogprob
 from workers.contract.sampling_params import SamplingParams
-from workers.engine.events import TokenEvent
+from workers.core.events import TokenEvent
+from workers.core.sequence import FinishReason
 from workers.engine.resume import ContinuationError
-from workers.engine.sequence import FinishReason
 from workers.text.detokenizer import IncrementalDetokenizer
 from workers.text.held_logprobs import HeldLogprobs
 from workers.text.stop_strings import StopStringMatcher

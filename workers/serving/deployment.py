@@ -14,17 +14,22 @@ from workers.contract.engine_load import EngineLoad
 from workers.contract.model_config import ModelConfig
 from workers.contract.requests import GenerateRequest
 from workers.contract.serve_logs import route_to_serve_log
-from workers.contract.tokenize import DetokenizeRequest, DetokenizeResult, TokenizeRequest, TokenizeResult
+from workers.contract.tokenize import (
+    DetokenizeRequest,
+    DetokenizeResult,
+    TokenizeRequest,
+    TokenizeResult,
+)
 from workers.contract.transport import ChannelBatch, ChannelReceipt
 from workers.contract.worker_info import ModelInfo, WorkerStats
 from workers.engine.llm_engine import LLMEngine
+from workers.lora.replica_adapters import WorkerAdapters
 from workers.model.cpu_linear import PackedLinear
 from workers.model.fused_projections import FusedProjection
 from workers.model.loader import LoadedModel
 from workers.serving.async_engine import AsyncEngine
 from workers.serving.channels import ChannelRegistry, until_closed
 from workers.serving.engine_build import build_engine, vision_prompts
-from workers.serving.lora_adapters import WorkerAdapters
 from workers.serving.request_processor import RequestProcessor, Timeouts
 from workers.serving.tokenization import Tokenization
 

@@ -3,7 +3,6 @@ find the end-of-sequence ids; and the prompt builder of a vision-language model.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -13,6 +12,7 @@ from workers.engine.kv_sizing import sized_engine_limits
 from workers.engine.llm_engine import LLMEngine
 from workers.model.attention import register_paged_attention
 from workers.model.loader import LoadedModel, load_model
+from workers.serving.cpu_budget import cpu_budget
 from workers.serving.host_memory import keep_freed_memory
 from workers.text.vision_prompts import VisionPromptBuilder
 
@@ -53,7 +53,8 @@ def eos_token_ids(loaded: LoadedModel) -> frozenset[int]:
 
 
 def _set_torch_threads(config: ModelConfig) -> None:
-    # Ray sets OMP_NUM_THREADS=1 inside actors; on CPU that would halve throughput.
+    # Ray sets OMP_NUM_THREADS=1 inside actors; on CPU that would halve throughput. The
+    # default is the CPUs the container may use (its CPU quota), not the node's cores.
     if config.device == "cpu":
-        threads = config.engine.torch_threads or os.cpu_count() or 1
+        threads = config.engine.torch_threads or cpu_budget()
         torch.set_num_threads(threads)

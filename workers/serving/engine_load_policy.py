@@ -12,7 +12,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from workers.contract.engine_load import KV_CACHE_USAGE, QUEUED_PROMPT_TOKENS, WAITING, EngineLoad
+from workers.contract.engine_load import (
+    KV_CACHE_USAGE,
+    QUEUED_PROMPT_TOKENS,
+    WAITING,
+    EngineLoad,
+)
 
 
 class ScalingContext(Protocol):

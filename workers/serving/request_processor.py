@@ -19,18 +19,16 @@ from collections.abc import AsyncIterator
 
 from workers.contract.chunks import ErrorInfo, GenerationChunk
 from workers.contract.continuation import Continuation
-from workers.contract.grammar import GuidedDecodingError
-from workers.contract.lora import LoraAdapterError
+from workers.contract.errors import WorkerError
 from workers.contract.requests import GenerateRequest
 from workers.contract.sampling_params import SamplingParams
-from workers.engine.limits import CapacityError, PriorityError
 from workers.engine.resume import ContinuationError, ResumedChoice
 from workers.sampling.guided import GuideState
 from workers.serving.active_request import ActiveRequest, Timeouts
-from workers.serving.async_engine import AsyncEngine, EngineDeadError
+from workers.serving.async_engine import AsyncEngine
 from workers.serving.choice_output import ChoiceOutput, Usage
 from workers.serving.outbox import ChunkOutbox
-from workers.text.prompts import Prompt, PromptBuilder, PromptError
+from workers.text.prompts import Prompt, PromptBuilder
 from workers.text.vision_prompts import VisionPromptBuilder
 
 logger = logging.getLogger(__name__)
@@ -54,12 +52,6 @@ class RequestProcessor:
         self.prompts = PromptBuilder(tokenizer)
         self.vision = vision  # vision-language models only
         self.max_model_len = engine.limits.max_model_len
-
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:
-        """The request's chunks one by one (for callers in this process)."""
-        async for batch in self.stream(request):
-            for chunk in batch:
-                yield chunk
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[list[GenerationChunk]]:
         """The request's chunks, everything pending at each wake-up as one list (one message)."""
@@ -121,8 +113,7 @@ class RequestProcessor:
             lora = request.lora.key if request.lora is not None else None
             stream = None if resume == [] else self.engine.add_request(prompt_ids, params, guide, images=prompt.images,
                                                                       resume=resume, lora=lora)
-        except (PromptError, GuidedDecodingError, CapacityError, EngineDeadError, ContinuationError,
-                LoraAdapterError, PriorityError) as exc:
+        except WorkerError as exc:
             outbox.put(request.request_id, _refusal(request, exc))
             return None
         for chunk in done:  # choices the given ids already end
@@ -188,26 +179,14 @@ def _prompt_size(request: GenerateRequest) -> int:
                for m in request.messages or ())
 
 
-def _refusal(request: GenerateRequest, exc: Exception) -> GenerationChunk:
-    """The error chunk of a request refused at admission."""
-    if isinstance(exc, ContinuationError):
-        return GenerationChunk(error=ErrorInfo(400, f"the request cannot be resumed: {exc}", param="resume",
-                                               code="invalid_continuation"))
-    if isinstance(exc, PromptError):
-        return GenerationChunk(error=ErrorInfo(400, str(exc), param=exc.param, code=exc.code))
-    if isinstance(exc, GuidedDecodingError):
-        param = request.params.guided.param if request.params.guided else None
-        return GenerationChunk(error=ErrorInfo(400, f"the output constraint cannot be used: {exc}", param=param,
-                                               code="invalid_grammar"))
-    if isinstance(exc, PriorityError):
-        return GenerationChunk(error=ErrorInfo(400, str(exc), param="priority"))
-    if isinstance(exc, LoraAdapterError):
-        return GenerationChunk(error=ErrorInfo(400, str(exc), param="model", code="invalid_lora_adapter"))
-    if isinstance(exc, CapacityError):
-        prompt_param = "prompt" if request.prompt is not None else "messages"
-        param = "max_tokens" if request.max_tokens is not None and not exc.prompt_alone else prompt_param
-        return GenerationChunk(error=ErrorInfo(400, str(exc), param=param, code="context_length_exceeded"))
-    return GenerationChunk(error=ErrorInfo(503, str(exc), type="server_error", code="engine_dead"))
+def _refusal(request: GenerateRequest, exc: WorkerError) -> GenerationChunk:
+    """The error chunk of a request refused at admission, its field named in the request's
+    own terms: the prompt is `prompt` or `messages`, and an output budget the client did
+    not set is not its fault (the prompt's length is)."""
+    param = exc.param
+    if param == "prompt" or (param == "max_tokens" and request.max_tokens is None):
+        param = "prompt" if request.prompt is not None else "messages"
+    return GenerationChunk(error=exc.info(param))
 
 
 def _opens_reasoning(prompt_text: str | None, start_tag: str | None) -> bool:

@@ -6,7 +6,12 @@ from __future__ import annotations
 from workers.contract.chunks import ErrorInfo
 from workers.contract.requests import GenerateRequest
 from workers.contract.sampling_params import SamplingParams
-from workers.contract.tokenize import DetokenizeRequest, DetokenizeResult, TokenizeRequest, TokenizeResult
+from workers.contract.tokenize import (
+    DetokenizeRequest,
+    DetokenizeResult,
+    TokenizeRequest,
+    TokenizeResult,
+)
 from workers.text.prompts import PromptBuilder, PromptError
 from workers.text.vision_prompts import VisionPromptBuilder
 
@@ -25,7 +30,7 @@ class Tokenization:
         try:
             ids = self._token_ids(request)
         except PromptError as exc:
-            return ErrorInfo(400, str(exc), param=exc.param, code=exc.code)
+            return exc.info()
         strs = self.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
         return TokenizeResult(ids, self.max_model_len, strs)
 

@@ -14,17 +14,15 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from workers.contract.errors import WorkerError
 from workers.contract.json_text import loads_json_text
 from workers.contract.requests import GenerateRequest, ToolPrompt
 from workers.contract.tokenize import TokenizeRequest
-from workers.model.multimodal import ImageInputs
+from workers.core.images import ImageInputs
 
 
-class PromptError(ValueError):
-    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-        self.code = code
+class PromptError(WorkerError, ValueError):
+    """The messages or prompt cannot be templated or tokenized (the field in `param`)."""
 
 
 @dataclass(frozen=True)

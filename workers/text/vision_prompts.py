@@ -16,7 +16,7 @@ from typing import Any
 from PIL import Image, UnidentifiedImageError
 
 from workers.contract.requests import GenerateRequest, ImageData
-from workers.model.multimodal import ImageInputs
+from workers.core.images import ImageInputs
 from workers.text.prompts import Prompt, PromptBuilder, PromptError
 
 # Processor outputs that describe the text, not the images.

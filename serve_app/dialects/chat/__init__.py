@@ -1,1 +1,2 @@
-"""`/v1/chat/completions`: request models, translation to the worker, response models and output."""
+"""`/v1/chat/completions`: request models, translation to the worker, response models and
+output, and its row of the dialect table (route.py)."""

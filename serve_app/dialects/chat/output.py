@@ -22,11 +22,11 @@ from serve_app.dialects.chat.response import (
     ToolCall,
     TopLogprobEntry,
 )
-from serve_app.dialects.common import usage_of
 from serve_app.http.errors import APIError
 from serve_app.http.sse import json_text, sse, sse_json
 from serve_app.output.call_deltas import CallAssembly, CallDelta, ParsedCall
 from serve_app.output.choice_parser import ChoiceParser, OutputParsing, ParsedDelta
+from serve_app.schema.common import usage_of
 from workers.contract.chunks import GenerationChunk, TokenLogprob, TopLogprob
 
 

@@ -1,13 +1,14 @@
-"""`/v1/chat/completions` request models: messages, tools, and the rules between fields."""
+"""`/v1/chat/completions` request models: messages, tools (defined in serve_app/schema/tools.py),
+and the rules between fields."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-import jsonschema
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
-from serve_app.dialects.common import (
+from serve_app.http.errors import APIError
+from serve_app.schema.common import (
     MAX_LOGPROBS,
     RequestModel,
     SamplingFields,
@@ -15,7 +16,7 @@ from serve_app.dialects.common import (
     field_error,
     length_penalty_error,
 )
-from serve_app.http.errors import APIError
+from serve_app.schema.tools import NamedToolChoice, Tool, ToolChoice
 
 
 class TextPart(RequestModel):
@@ -63,49 +64,6 @@ class ChatMessage(RequestModel):
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a tool message needs the tool_call_id of the call it answers")
         return self
-
-
-# ------------------------------------------------------------------------------- tools
-
-_FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
-
-
-class FunctionDefinition(RequestModel):
-    name: str = Field(pattern=_FUNCTION_NAME)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
-    strict: bool | None = None
-
-    @field_validator("parameters")
-    @classmethod
-    def _valid_json_schema(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
-        if schema is not None:
-            try:
-                jsonschema.Draft202012Validator.check_schema(schema)
-            except jsonschema.SchemaError as exc:
-                raise ValueError(f"not a valid JSON schema: {exc.message}") from None
-        return schema
-
-    @property
-    def arguments_schema(self) -> dict[str, Any]:
-        return self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
-
-
-class Tool(RequestModel):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(RequestModel):
-    name: str
-
-
-class NamedToolChoice(RequestModel):
-    type: Literal["function"]
-    function: NamedFunction
-
-
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatPrompt(RequestModel):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from serve_app.dialects.common import ResponseModel, Usage
+from serve_app.schema.common import ResponseModel, Usage
 
 
 class FunctionCall(ResponseModel):

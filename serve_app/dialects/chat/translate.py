@@ -6,10 +6,10 @@ import dataclasses
 import uuid
 
 from serve_app.dialects.chat.request import ChatCompletionRequest
-from serve_app.dialects.common import openai_sampling_kwargs, or_default
 from serve_app.http.errors import APIError
 from serve_app.output.reasoning import REASONING_PARSERS
 from serve_app.output.tool_parsers import PARSERS, HermesToolParser, ToolParser
+from serve_app.schema.common import openai_sampling_kwargs, or_default
 from workers.contract.grammar import grammar_error
 from workers.contract.model_config import ModelConfig
 from workers.contract.requests import GenerateRequest

@@ -19,9 +19,9 @@ from pydantic import (
     model_validator,
 )
 
-from serve_app.dialects.chat.request import FunctionDefinition
-from serve_app.dialects.common import RequestModel
 from serve_app.http.errors import APIError, field_rule, unsupported
+from serve_app.schema.common import RequestModel
+from serve_app.schema.tools import FunctionDefinition
 
 # ------------------------------------------------------------------------ content parts
 

@@ -1,5 +1,5 @@
-"""The /v1 response side of tools and reasoning (serve_app/chat_output.py and the
-accumulator and streamer of chat_completions.py), fed worker chunks directly."""
+"""The /v1 response side of tools and reasoning (the accumulator and streamer of
+serve_app/dialects/chat/output.py), fed worker chunks directly."""
 
 from __future__ import annotations
 

@@ -10,10 +10,11 @@ import pytest
 from openai.types.chat import ChatCompletionChunk as SDKChunk
 
 from serve_app.dialects.chat.output import ChunkStreamer, CompletionAccumulator
-from serve_app.dialects.chat.request import ChatCompletionRequest, Tool
+from serve_app.dialects.chat.request import ChatCompletionRequest
 from serve_app.output.call_deltas import CallAssembly
 from serve_app.output.choice_parser import OutputParsing
 from serve_app.output.tool_parsers import HermesToolParser
+from serve_app.schema.tools import Tool
 from tests.support.sse_events import sse_payloads
 from workers.contract.chunks import GenerationChunk
 from workers.contract.model_config import ModelConfig

@@ -9,11 +9,11 @@ import pytest
 from serve_app.dialects import completions
 from serve_app.dialects.chat import translate as chat_translate
 from serve_app.dialects.chat.request import ChatCompletionRequest
-from serve_app.dialects.common import token_id
 from serve_app.dialects.completions import CompletionRequest
 from serve_app.dialects.lm_v2 import LmV2ChatRequest
 from serve_app.http.errors import APIError
 from serve_app.http.request_body import parse_request
+from serve_app.schema.common import token_id
 
 USER = [{"role": "user", "content": "Hi"}]
 SHIP = {"type": "function", "function": {"name": "ship", "parameters": {"type": "object", "properties": {}}}}

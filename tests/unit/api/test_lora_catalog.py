@@ -7,15 +7,15 @@ import asyncio
 
 import pytest
 
-from serve_app.app_config import AppConfig, ConfigError, parse_app_config
+from serve_app.config.app_config import AppConfig, ConfigError, parse_app_config
 from serve_app.http.errors import APIError
-from serve_app.lora_adapters import (
+from serve_app.lora.adapters import (
     AdapterCatalog,
     LoadLoraAdapterRequest,
+    LoraRegistry,
     Target,
     UnloadLoraAdapterRequest,
 )
-from serve_app.lora_registry import LoraRegistry
 from workers.contract.lora import LoraRequest
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Ray's pydantic models

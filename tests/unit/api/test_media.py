@@ -1,4 +1,4 @@
-"""The ingress's image source rules (serve_app/media.py), no Ray: local paths under the
+"""The ingress's image source rules (serve_app/media/images.py), no Ray: local paths under the
 media directory only, data: URIs, and remote fetches from public addresses only, with
 byte and time caps, against a loopback HTTP server started here."""
 
@@ -14,9 +14,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pydantic
 import pytest
 
-from serve_app.app_config import MediaOptions
+from serve_app.config.app_config import MediaOptions
 from serve_app.http.errors import APIError
-from serve_app.media import MediaResolver
+from serve_app.media.images import MediaResolver
 from tests.support.tiny_vlm import png_bytes
 
 PNG = png_bytes((10, 200, 10))
@@ -310,7 +310,7 @@ def test_media_options_are_strict():
 
 
 def test_a_misspelt_media_key_fails_the_config_with_its_path():
-    from serve_app.app_config import ConfigError, parse_app_config
+    from serve_app.config.app_config import ConfigError, parse_app_config
 
     with pytest.raises(ConfigError, match=r"server\.media\.directroy"):
         parse_app_config({"models": [{"id": "m"}], "server": {"media": {"directroy": "/srv/media"}}})

@@ -1,4 +1,4 @@
-"""The deepseek_r1 reasoning parser (serve_app/reasoning.py): whole and streamed in every
+"""The deepseek_r1 reasoning parser (serve_app/output/reasoning.py): whole and streamed in every
 split, the prompt-opened `<think>`, a missing `</think>`, and reasoning-token counts."""
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from serve_app.output.tool_parsers import (
     Llama3JsonToolParser,
     ToolOutput,
 )
+from tests.support.tool_calls import parse_whole
 from tests.unit.api.test_tool_parsers import TOOLS
 from workers.contract.json_text import loads_json_text
 from workers.text.prompts import ToolPrompt, tools_as_text
@@ -62,12 +63,12 @@ def test_json_text_nested_past_the_recursion_limit_is_a_value_error():
     "<tool_call>" + '{"name": "add", "arguments": "' + lists(100_000) + '"}</tool_call>',
 ])
 def test_model_output_nested_too_deeply_comes_back_as_content(text):
-    assert HermesToolParser.parse(text, TOOLS) == ToolOutput(text, [])
+    assert parse_whole(HermesToolParser, text, TOOLS) == ToolOutput(text, [])
 
 
 def test_llama3_output_nested_too_deeply_comes_back_as_content():
     text = '{"name": "add", "parameters": ' + lists(100_000) + "}"
-    assert Llama3JsonToolParser.parse(text, TOOLS) == ToolOutput(text, [])
+    assert parse_whole(Llama3JsonToolParser, text, TOOLS) == ToolOutput(text, [])
 
 
 def test_a_client_tool_call_with_deeply_nested_arguments_is_rendered_as_text():

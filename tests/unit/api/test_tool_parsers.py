@@ -12,7 +12,6 @@ import llguidance.hf
 import pytest
 from llguidance import LLMatcher
 
-from serve_app.dialects.chat.request import NamedToolChoice, Tool
 from serve_app.output.call_deltas import CallDelta, merged
 from serve_app.output.json_object_end import ObjectEnd
 from serve_app.output.tool_parsers import (
@@ -20,6 +19,8 @@ from serve_app.output.tool_parsers import (
     Llama3JsonToolParser,
     ToolOutput,
 )
+from serve_app.schema.tools import NamedToolChoice, Tool
+from tests.support.tool_calls import parse_whole
 
 DELIVERY = Tool.model_validate({"type": "function", "function": {
     "name": "get_delivery_date", "strict": True,
@@ -124,7 +125,7 @@ def splits(text: str):
 @pytest.mark.parametrize(("parser_cls", "cases"), [(HermesToolParser, HERMES_OUTPUTS), (Llama3JsonToolParser, LLAMA_OUTPUTS)])
 def test_whole_outputs_parse(parser_cls, cases):
     for text, content, calls in cases:
-        out = parser_cls.parse(text, TOOLS)
+        out = parse_whole(parser_cls, text, TOOLS)
         assert (out.content, calls_of(out)) == (content, calls), text
         assert all(c.id.startswith("call_") and len(c.id) > 10 for c in out.calls)
 
@@ -149,7 +150,7 @@ def test_streaming_token_by_token_with_a_real_tokenizer(tiny_tokenizer):
 @pytest.mark.parametrize(("parser_cls", "texts"), [(HermesToolParser, HERMES_MALFORMED), (Llama3JsonToolParser, LLAMA_MALFORMED)])
 def test_malformed_calls_come_back_as_content(parser_cls, texts):
     for text in texts:
-        assert parser_cls.parse(text, TOOLS) == ToolOutput(text, [])
+        assert parse_whole(parser_cls, text, TOOLS) == ToolOutput(text, [])
         for pieces in splits(text):
             out = streamed(parser_cls, pieces)
             assert (out.content, out.calls) == (text, [])
@@ -175,7 +176,7 @@ def test_a_closed_call_with_bad_json_arguments_keeps_them_as_written():
 
 def test_forced_output_is_never_content():
     closed_but_not_a_call = '<tool_call>\n{"name": "launch_rocket", "arguments": {}}\n</tool_call>'
-    assert HermesToolParser.parse(closed_but_not_a_call, TOOLS, forced=True) == ToolOutput("", [])
+    assert parse_whole(HermesToolParser, closed_but_not_a_call, TOOLS, forced=True) == ToolOutput("", [])
     cut = '{"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "add", "parameters": {"a": '
     for pieces in splits(cut):
         out = streamed(Llama3JsonToolParser, pieces, forced=True)
@@ -323,7 +324,7 @@ def test_what_the_grammar_forces_the_parser_reads(parser_cls, ll_tokenizer, tiny
     grammar = parser_cls.grammar([DELIVERY], "required", False)
     text = (hermes if parser_cls is HermesToolParser else llama)("get_delivery_date", {"order_id": "12345"})
     assert accepts(ll_tokenizer, tiny_tokenizer, grammar, text)
-    assert calls_of(parser_cls.parse(text, [DELIVERY])) == [("get_delivery_date", {"order_id": "12345"})]
+    assert calls_of(parse_whole(parser_cls, text, [DELIVERY])) == [("get_delivery_date", {"order_id": "12345"})]
 
 
 def test_schemas_with_definitions_keep_their_references(ll_tokenizer, tiny_tokenizer):

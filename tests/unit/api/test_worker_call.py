@@ -1,4 +1,4 @@
-"""The one worker call (serve_app/worker_call.py) against a fake deployment handle, through
+"""The one worker call (serve_app/transport/worker_call.py) against a fake deployment handle, through
 the transport (no channel open: the chunks come by the request's own call): the first
 chunk's errors keep their status, worker failures end the request with a 503 chunk, and a
 caller that stops early cancels the worker's sequence. Also the handle API's validation."""
@@ -17,7 +17,7 @@ from serve_app.handle_api import _validated
 from serve_app.http.errors import APIError
 from serve_app.http.metrics import STATUS_CLIENT_GONE, IngressMetrics
 from serve_app.transport.channels import WorkerChannels
-from serve_app.worker_call import accumulate, call_worker, relay
+from serve_app.transport.worker_call import accumulate, call_worker, relay
 from workers.contract.chunks import ErrorInfo, GenerationChunk
 from workers.contract.lora import LoraRequest
 from workers.contract.model_config import ResumeConfig

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from ray.serve.config import AutoscalingConfig as ServeAutoscalingConfig
 
-from serve_app.app_config import ConfigError, parse_app_config
+from serve_app.config.app_config import ConfigError, parse_app_config
 from workers.contract.model_config import ENGINE_LOAD_POLICY, ModelConfig
 from workers.serving.engine_load_policy import EngineLoadPolicy
 

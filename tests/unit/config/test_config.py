@@ -6,7 +6,7 @@ import pydantic
 import pytest
 import yaml
 
-from serve_app.app_config import ConfigError, parse_app_config
+from serve_app.config.app_config import ConfigError, parse_app_config
 from tests.support.paths import REPO_ROOT
 from workers.contract.model_config import ModelConfig
 

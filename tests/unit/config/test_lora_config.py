@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from workers.contract.model_config import LoraConfig, ModelConfig
-from workers.engine.limits import LoraLimits, engine_limits
+from workers.core.limits import LoraLimits, engine_limits
 
 
 def test_defaults_and_limits():

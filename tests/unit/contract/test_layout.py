@@ -1,4 +1,6 @@
-"""The layout's promises: the ingress imports no torch, and no module import cycle exists."""
+"""The layout's promises: the ingress imports no torch, and neither the modules nor the
+packages (each folder one node, its own modules together) import each other in a cycle,
+counting imports under `if TYPE_CHECKING:` too."""
 
 from __future__ import annotations
 
@@ -27,15 +29,10 @@ def _module_name(path) -> str:
 
 
 def _imports(tree: ast.AST, modules: set[str]) -> set[str]:
-    """Modules of ours imported anywhere in the file, except under `if TYPE_CHECKING:`."""
+    """Modules of ours imported anywhere in the file, `if TYPE_CHECKING:` blocks included:
+    a type-only import is still a dependency of the design."""
     found: set[str] = set()
-    skip: set[int] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
-            skip.update(id(n) for n in ast.walk(node))
-    for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.ImportFrom) and node.module:
             for alias in node.names:
                 name = f"{node.module}.{alias.name}"
@@ -49,6 +46,20 @@ def import_graph() -> dict[str, set[str]]:
     files = [p for pkg in PACKAGES for p in (REPO_ROOT / pkg).rglob("*.py")]
     modules = {_module_name(p) for p in files}
     return {_module_name(p): _imports(ast.parse(p.read_text()), modules) - {_module_name(p)} for p in files}
+
+
+def package_of(module: str) -> str:
+    """The folder a module lives in (a package's __init__ is its folder's)."""
+    path = REPO_ROOT / module.replace(".", "/")
+    return module if path.is_dir() else module.rpartition(".")[0]
+
+
+def package_graph(graph: dict[str, set[str]], folder=package_of) -> dict[str, set[str]]:
+    packages: dict[str, set[str]] = {}
+    for module, imported in graph.items():
+        own = folder(module)
+        packages.setdefault(own, set()).update(p for p in map(folder, imported) if p != own)
+    return packages
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -75,6 +86,30 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_module_import_cycles():
     assert find_cycle(import_graph()) is None
+
+
+def test_no_package_import_cycles():
+    assert find_cycle(package_graph(import_graph())) is None
+
+
+def test_the_core_imports_only_the_contract():
+    """workers/core is the neutral layer every worker package builds on."""
+    packages = package_graph(import_graph())
+    assert packages["workers.core"] <= {"workers.contract"}
+    assert packages["workers.contract"] == set()
+
+
+def test_type_only_imports_count():
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from a.b import C\n")
+    assert _imports(tree, {"a.b"}) == {"a.b"}
+
+
+def test_a_package_cycle_is_found_through_modules_of_different_folders():
+    graph = {"p.x": {"q.y"}, "q.y": set(), "q.z": {"p.w"}, "p.w": set()}
+    packages = {"p": {"q"}, "q": {"p"}}
+    by_prefix = package_graph(graph, folder=lambda m: m.rpartition(".")[0])
+    assert by_prefix == packages
+    assert find_cycle(packages) == ["p", "q", "p"]
 
 
 def test_the_cycle_finder_finds_a_cycle():

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from workers.contract.sampling_params import SamplingParams
+from workers.core.sequence import Sequence
 from workers.engine.block_manager import BlockManager, chain_hash
-from workers.engine.sequence import Sequence
 from workers.model.kv_cache import KVCacheShape, PagedKVCache
 
 

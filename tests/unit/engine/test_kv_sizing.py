@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from workers.contract.model_config import EngineConfig
+from workers.core.limits import EngineLimits
 from workers.engine.kv_sizing import (
     GIB,
     MemoryProfile,
     kv_budget_from_profile,
     resolve_kv_cache_bytes,
 )
-from workers.engine.limits import EngineLimits
 
 
 def test_budget_is_utilization_share_minus_usage_and_activation_peak():

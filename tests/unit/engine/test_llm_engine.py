@@ -16,9 +16,9 @@ from tests.support.engines import (
     template_ids,
 )
 from workers.contract.sampling_params import SamplingParams
-from workers.engine.limits import CapacityError
+from workers.core.limits import CapacityError
+from workers.core.sequence import FinishReason
 from workers.engine.llm_engine import LLMEngine
-from workers.engine.sequence import FinishReason
 
 
 @pytest.fixture(scope="module")

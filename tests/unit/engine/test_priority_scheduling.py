@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from serve_app.app_config import ConfigError, parse_app_config
-from tests.support.engines import greedy, make_engine
+from serve_app.config.app_config import ConfigError, parse_app_config
+from tests.support.engines import complete_step, greedy, make_engine
 from workers.contract.sampling_params import SamplingParams
+from workers.core.limits import PriorityError, engine_limits
+from workers.core.sequence import Sequence
 from workers.engine.block_manager import BlockManager
-from workers.engine.limits import PriorityError, engine_limits
 from workers.engine.scheduler import Scheduler, SchedulerConfig
-from workers.engine.sequence import Sequence
 
 NEXT_TOKEN = 7
 
@@ -33,7 +33,7 @@ def admission_order(sched: Scheduler, max_steps: int = 200) -> list[int]:
             return order
         batch = sched.schedule()
         order += [c.seq.seq_id for c in batch.prefills if c.seq.seq_id not in order]
-        sched.complete_step(batch, [NEXT_TOKEN] * len(batch.sampling_chunks))
+        complete_step(sched, batch, [NEXT_TOKEN] * len(batch.sampling_chunks))
     raise AssertionError("scheduler did not finish")
 
 
@@ -42,7 +42,7 @@ def fill_then_queue(priority_policy: bool, priorities: list[int]) -> list[int]:
     sched = make_scheduler(priority_policy, max_num_seqs=1)
     sched.add(make_seq(0, 0))
     first = sched.schedule()
-    sched.complete_step(first, [NEXT_TOKEN])
+    complete_step(sched, first, [NEXT_TOKEN])
     for seq_id, priority in enumerate(priorities, start=1):
         sched.add(make_seq(seq_id, priority))
     return [0] + admission_order(sched)
@@ -62,7 +62,7 @@ def preempt_one(priority_policy: bool) -> Scheduler:
     sched = make_scheduler(priority_policy, num_blocks=5)
     for seq_id, priority in enumerate([2, 0, 1]):  # the oldest is the least urgent
         sched.add(make_seq(seq_id, priority, max_tokens=8))
-    sched.complete_step(sched.schedule(), [NEXT_TOKEN] * 3)
+    complete_step(sched, sched.schedule(), [NEXT_TOKEN] * 3)
     assert len(sched.running) == 3 and sched.blocks.num_free_blocks == 2
     batch = sched.schedule()
     assert len(batch.preempted) == 1 and list(sched.waiting) == batch.preempted

@@ -11,8 +11,8 @@ import pytest
 
 from tests.support.engines import make_engine, run_to_completion, template_ids
 from workers.contract.sampling_params import GuidedDecoding, SamplingParams
+from workers.core.sequence import FinishReason
 from workers.engine.resume import ContinuationError
-from workers.engine.sequence import FinishReason
 
 CUTS = (0, 1, 6, 13)
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"}},

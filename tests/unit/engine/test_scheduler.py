@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import random
 
+from tests.support.engines import complete_step
 from workers.contract.sampling_params import SamplingParams
-from workers.engine.batch import ScheduledBatch
+from workers.core.batch import ScheduledBatch
+from workers.core.sequence import FinishReason, Sequence, SequenceStatus
 from workers.engine.block_manager import BlockManager
 from workers.engine.scheduler import Scheduler, SchedulerConfig
-from workers.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 NEXT_TOKEN = 7
 
@@ -24,7 +25,7 @@ def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=64, max_num_batched
 
 def step(sched: Scheduler) -> ScheduledBatch:
     batch = sched.schedule()
-    sched.complete_step(batch, [NEXT_TOKEN] * len(batch.sampling_chunks))
+    complete_step(sched, batch, [NEXT_TOKEN] * len(batch.sampling_chunks))
     return batch
 
 
@@ -75,7 +76,7 @@ def test_long_prompt_is_chunked_across_steps():
         assert chunk.seq is seq
         sizes.append(chunk.num_tokens)
         samples.append(chunk.samples)
-        sched.complete_step(batch, [NEXT_TOKEN] * len(batch.sampling_chunks))
+        complete_step(sched, batch, [NEXT_TOKEN] * len(batch.sampling_chunks))
         if not chunk.samples:
             assert seq.num_output_tokens == 0  # no token before the prompt is fully in
     assert sizes == [16, 16, 8]
@@ -117,7 +118,7 @@ def test_decodes_scheduled_before_new_prefills():
     assert [c.seq for c in batch.decodes] == [a]
     assert [(c.seq, c.num_tokens, c.samples) for c in batch.prefills] == [(b, 3, False)]
     assert batch.sampling_chunks[0].seq is a
-    sched.complete_step(batch, [NEXT_TOKEN])
+    complete_step(sched, batch, [NEXT_TOKEN])
     # A budget of one token goes to the running decode, not to the new prompt.
     c = make_seq(2, 5)
     sched.add(c)
@@ -136,7 +137,7 @@ def test_running_prefill_continues_before_waiting_prompts():
     sched.add(b)
     batch = sched.schedule()
     assert [(c.seq, c.num_tokens) for c in batch.prefills] == [(a, 8)]
-    sched.complete_step(batch, [])
+    complete_step(sched, batch, [])
     batch = sched.schedule()
     assert [(c.seq, c.num_tokens) for c in batch.prefills] == [(a, 8)]
 
@@ -163,7 +164,7 @@ def test_preemption_frees_newest_running_and_requeues_it_first():
     # b keeps its generated token: it is recomputed, not restarted.
     assert b.token_ids == [101] * 3 + [NEXT_TOKEN]
     assert len(a.block_table) == 3 and sched.blocks.num_free_blocks == 1
-    sched.complete_step(batch, [NEXT_TOKEN])
+    complete_step(sched, batch, [NEXT_TOKEN])
     check_blocks_cover_computed(sched)
 
 
@@ -285,7 +286,7 @@ def test_cached_prefix_is_skipped_and_costs_no_budget():
     (chunk,) = batch.prefills
     assert chunk.seq is second and chunk.num_tokens == 4  # the budget, spent after the cached 16
     assert second.num_computed_tokens == 16 and second.num_cached_tokens == 16
-    sched.complete_step(batch, [])
+    complete_step(sched, batch, [])
     batch = step(sched)
     assert [(c.seq, c.num_tokens, c.samples) for c in batch.prefills] == [(second, 2, True)]
     run_all(sched)
@@ -317,7 +318,7 @@ def test_preempted_sequence_resumes_from_its_cached_blocks():
     while sched.has_work():
         batch = sched.schedule()
         resumed_from += [c.seq.num_computed_tokens for c in batch.prefills if c.seq.num_output_tokens > 0]
-        sched.complete_step(batch, [NEXT_TOKEN] * len(batch.sampling_chunks))
+        complete_step(sched, batch, [NEXT_TOKEN] * len(batch.sampling_chunks))
     assert resumed_from and max(resumed_from) > 0, "a resumed sequence should reuse its cached blocks"
     for s in seqs:
         assert s.output_token_ids == [NEXT_TOKEN] * 6

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText
 
+from tests.support.engines import generate
 from tests.support.tiny_vlm import (
     TOKENS_PER_IMAGE,
     png_bytes,
@@ -20,12 +21,13 @@ from tests.support.tiny_vlm import (
 from tests.unit.model.test_cpu_linear import needs_onednn_bf16
 from workers.contract.requests import GenerateRequest, ImageData
 from workers.contract.sampling_params import SamplingParams
-from workers.engine.limits import EngineLimits
+from workers.core.images import ImageInputs
+from workers.core.limits import EngineLimits
 from workers.engine.llm_engine import LLMEngine
 from workers.model.cpu_linear import PackedLinear
 from workers.model.kv_cache import KVCacheShape
 from workers.model.loader import load_model
-from workers.model.multimodal import ImageEncodeError, ImageInputs
+from workers.model.multimodal import ImageEncodeError
 from workers.serving.async_engine import AsyncEngine
 from workers.serving.request_processor import RequestProcessor
 from workers.text.prompts import PromptBuilder, PromptError
@@ -259,10 +261,10 @@ def test_request_processor_answers_an_image_request(paged_vlm, reference_vlm, pr
             processor = RequestProcessor(engine, paged_vlm.tokenizer, vision=prompts)
             request = GenerateRequest("r", greedy(5), messages=image_request(RED).messages, images=image_request(RED).images,
                                       max_tokens=5)
-            chunks = [c async for c in processor.generate(request)]
+            chunks = [c async for c in generate(processor, request)]
             bad = GenerateRequest("b", greedy(5), messages=image_request(RED).messages,
                                   images=(ImageData(b"junk", PARAM),), max_tokens=5)
-            refused = [c async for c in processor.generate(bad)]
+            refused = [c async for c in generate(processor, bad)]
         finally:
             engine.stop()
         return chunks, refused

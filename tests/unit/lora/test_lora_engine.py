@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from tests.support.engines import greedy, make_engine, prompt_ids, run_to_completion
 from tests.support.lora_adapters import merged_greedy, merged_model
 from workers.contract.lora import LoraAdapterError
-from workers.engine.limits import LoraLimits
+from workers.core.limits import LoraLimits
 from workers.lora.peft_files import read_peft_adapter
 from workers.model.fused_projections import fuse_sibling_projections
 

@@ -8,11 +8,12 @@ import random
 import pytest
 import torch
 
+from tests.support.engines import complete_step
 from workers.contract.sampling_params import SamplingParams
-from workers.engine.batch import ScheduledChunk
+from workers.core.batch import ScheduledChunk
+from workers.core.sequence import Sequence
 from workers.engine.block_manager import BlockManager
 from workers.engine.scheduler import Scheduler, SchedulerConfig
-from workers.engine.sequence import Sequence
 from workers.model.attention import paged_attention
 from workers.model.kv_cache import KVCacheShape, PagedKVCache
 from workers.model.runner import ModelRunner
@@ -150,7 +151,7 @@ def test_paged_model_logits_match_dense_model(tiny_model, paged_model):
             pos = seq.num_tokens - 1
             got[(seq.seq_id, pos)] = logits[row]
             teacher.append(full[seq.seq_id][pos + 1])
-        sched.complete_step(batch, teacher)
+        complete_step(sched, batch, teacher)
     assert mixed_steps > 0
 
     for seq, (prompt_len, total) in zip(seqs, lengths):

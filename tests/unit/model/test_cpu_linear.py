@@ -1,6 +1,6 @@
-"""CPU models with oneDNN-packed linear weights (workers/cpu_linear.py: bfloat16 always,
+"""CPU models with oneDNN-packed linear weights (workers/model/cpu_linear.py: bfloat16 always,
 float32 where the load-time probe finds it faster), and the dtype `auto` picks
-(workers/model_loader.py)."""
+(workers/model/loader.py)."""
 
 from __future__ import annotations
 

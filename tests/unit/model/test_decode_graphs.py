@@ -22,14 +22,15 @@ from tests.support.engines import greedy_outputs
 from tests.support.paths import REPO_ROOT
 from workers.contract.model_config import EngineConfig, ModelConfig
 from workers.contract.sampling_params import SamplingParams
-from workers.engine.batch import ScheduledChunk
+from workers.core.batch import ScheduledChunk
+from workers.core.limits import EngineLimits, LoraLimits
+from workers.core.sequence import Sequence
 from workers.engine.kv_sizing import cuda_graph_reserve
-from workers.engine.limits import EngineLimits, LoraLimits
 from workers.engine.llm_engine import LLMEngine
-from workers.engine.sequence import Sequence
 from workers.model.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from workers.model.kv_cache import KVCacheShape, PagedKVCache
-from workers.model.runner import ModelRunner, decode_block_tables
+from workers.model.runner import ModelRunner
+from workers.model.step_inputs import decode_block_tables
 
 ROOT = REPO_ROOT
 CPU = torch.device("cpu")

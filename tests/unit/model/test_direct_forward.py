@@ -27,7 +27,7 @@ from tests.unit.model.test_model_families import (
     mistral,
     prompts,
 )
-from workers.engine.limits import LoraLimits
+from workers.core.limits import LoraLimits
 from workers.model.attention import register_paged_attention
 from workers.model.cpu_linear import pack_linear_layers
 from workers.model.direct_forward import DirectForward, unsupported_reason

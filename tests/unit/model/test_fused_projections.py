@@ -1,4 +1,4 @@
-"""Sibling projections run as one multiply (workers/fused_projections.py): the same numbers
+"""Sibling projections run as one multiply (workers/model/fused_projections.py): the same numbers
 as the separate linears whatever the call order, inside transformers' own models, through
 the engine, with CPU packing on top, and through the loader."""
 

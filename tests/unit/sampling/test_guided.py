@@ -1,4 +1,4 @@
-"""Constrained decoding in the engine (workers/guided.py) on the tiny random model.
+"""Constrained decoding in the engine (workers/sampling/guided.py) on the tiny random model.
 
 The model's weights are random, so whatever it picks is noise: every output below is
 valid only because the grammar mask made it so.
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.support.engines import (
+    generate,
     make_engine,
     record_preemptions,
     run_to_completion,
@@ -26,8 +27,8 @@ from tests.support.tiny_models import build_tiny_llama
 from workers.contract.grammar import GuidedDecodingError, grammar_error, lark_json
 from workers.contract.requests import GenerateRequest
 from workers.contract.sampling_params import GuidedDecoding, SamplingParams
+from workers.core.sequence import FinishReason
 from workers.engine.llm_engine import LLMEngine
-from workers.engine.sequence import FinishReason
 from workers.serving.request_processor import RequestProcessor
 
 SCHEMAS = {
@@ -355,8 +356,8 @@ def test_request_processor_reports_a_bad_grammar_as_400(paged_model, tiny_tokeni
 
     async def body(aengine):
         processor = RequestProcessor(aengine, tiny_tokenizer)
-        bad = [c async for c in processor.generate(request('{"type": "objectx"}'))]
-        good = [c async for c in processor.generate(request(json.dumps(SCHEMAS["enums"])))]
+        bad = [c async for c in generate(processor, request('{"type": "objectx"}'))]
+        good = [c async for c in generate(processor, request(json.dumps(SCHEMAS["enums"])))]
         return bad, good
 
     bad, good = asyncio.run(with_async_engine(engine, body))
@@ -386,7 +387,7 @@ def test_a_dead_end_mid_output_is_a_400_for_that_request_only(paged_model, tiny_
         processor = RequestProcessor(aengine, tiny_tokenizer)
 
         async def collect(req):
-            return [c async for c in processor.generate(req)]
+            return [c async for c in generate(processor, req)]
         return await asyncio.gather(collect(request("bad", dead_end)), collect(request("good", None)))
 
     bad, good = asyncio.run(with_async_engine(engine, body))

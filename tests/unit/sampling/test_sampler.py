@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from workers.contract.sampling_params import SamplingParams
-from workers.engine.sequence import Sequence
+from workers.core.sequence import Sequence
 from workers.sampling.sampler import Sampler, SamplingTensors
 
 CPU = torch.device("cpu")

@@ -9,9 +9,11 @@ import numpy as np
 import torch
 
 from workers.contract.sampling_params import SamplingParams
-from workers.engine.sequence import Sequence
+from workers.core.seed_streams import mix as _mix
+from workers.core.seed_streams import stream_key
+from workers.core.sequence import Sequence
 from workers.sampling.sampler import SamplingTensors
-from workers.sampling.seeded_draws import SeededRows, _mix, stream_key
+from workers.sampling.seeded_draws import SeededRows
 
 CPU = torch.device("cpu")
 

@@ -1,5 +1,5 @@
 """Forced tool calls end to end in the engine, on the tiny random model: the request goes
-through the /v1 translation (grammar from serve_app/tool_parsers.py), the worker's
+through the /v1 translation (grammar from serve_app/output/tool_parsers.py), the worker's
 request processor and guided engine, and back through the /v1 accumulator. The weights
 are random, so every valid call below is valid only because the grammar made it so."""
 
@@ -15,7 +15,7 @@ from serve_app.dialects.chat.output import CompletionAccumulator
 from serve_app.dialects.chat.request import ChatCompletionRequest
 from serve_app.dialects.chat.translate import to_generate_request
 from serve_app.output.choice_parser import OutputParsing
-from tests.support.engines import make_engine, with_async_engine
+from tests.support.engines import generate, make_engine, with_async_engine
 from workers.contract.model_config import ModelConfig
 from workers.serving.request_processor import RequestProcessor
 
@@ -47,7 +47,7 @@ def answer(engine_model, tokenizer, parser: str, seed: int, **fields):
                          max_model_len=1536)
 
     async def body(aengine):
-        return [c async for c in RequestProcessor(aengine, tokenizer).generate(request)]
+        return [c async for c in generate(RequestProcessor(aengine, tokenizer), request)]
 
     accumulator = CompletionAccumulator("r", "m", 1, OutputParsing.of(req, model))
     for chunk in asyncio.run(with_async_engine(engine, body)):

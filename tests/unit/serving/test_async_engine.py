@@ -9,7 +9,9 @@ import threading
 import pytest
 
 from tests.support.engines import (
+    QueuedEvents,
     chat_request,
+    generate,
     greedy,
     make_engine,
     prompt_ids,
@@ -18,9 +20,9 @@ from tests.support.engines import (
     wait_idle,
     with_async_engine,
 )
-from workers.engine.limits import CapacityError
+from workers.core.limits import CapacityError
+from workers.core.sequence import FinishReason
 from workers.engine.llm_engine import LLMEngine
-from workers.engine.sequence import FinishReason
 from workers.serving.async_engine import AsyncEngine, EngineDeadError
 from workers.serving.request_processor import RequestProcessor
 
@@ -47,7 +49,7 @@ def test_engine_built_on_its_own_thread_steps_there(tiny_model, paged_model, pro
     async def main():
         aengine = AsyncEngine.start_on_own_thread(build, asyncio.get_running_loop())
         try:
-            events = [e async for batch in aengine.add_request(prompts[0], greedy(5)) for e in batch]
+            events = [e async for batch in QueuedEvents(aengine.add_request(prompts[0], greedy(5))) for e in batch]
         finally:
             aengine.stop()
         return aengine, events
@@ -83,7 +85,7 @@ def test_async_engine_concurrent_streams(tiny_model, paged_model, prompts):
         return batches
 
     async def body(aengine):
-        streams = [aengine.add_request(p, greedy(max_tokens)) for p in prompts]
+        streams = [QueuedEvents(aengine.add_request(p, greedy(max_tokens))) for p in prompts]
         return await asyncio.gather(*(consume(s) for s in streams))
 
     results = asyncio.run(with_async_engine(engine, body))
@@ -103,7 +105,7 @@ def test_async_engine_rejects_oversized_request_synchronously(paged_model):
     async def body(aengine):
         with pytest.raises(CapacityError):
             aengine.add_request(list(range(5, 15)), greedy(7))
-        stream = aengine.add_request(list(range(5, 15)), greedy(6))
+        stream = QueuedEvents(aengine.add_request(list(range(5, 15)), greedy(6)))
         return [e async for batch in stream for e in batch]
 
     events = asyncio.run(with_async_engine(engine, body))
@@ -124,11 +126,11 @@ def test_engine_thread_failure_fails_every_stream(paged_model, tiny_tokenizer):
     engine.step = failing_step
 
     async def body(aengine):
-        running = aengine.add_request([5, 6, 7], greedy(4))
+        running = QueuedEvents(aengine.add_request([5, 6, 7], greedy(4)))
         await asyncio.get_running_loop().run_in_executor(None, in_step.wait, 5)
         # Added while the failing step runs: the engine still looks alive.
         assert aengine.alive
-        late = aengine.add_request([5, 6, 7, 8], greedy(4))
+        late = QueuedEvents(aengine.add_request([5, 6, 7, 8], greedy(4)))
         release.set()
         for stream in (running, late):  # neither may hang
             with pytest.raises(EngineDeadError):
@@ -137,7 +139,7 @@ def test_engine_thread_failure_fails_every_stream(paged_model, tiny_tokenizer):
         with pytest.raises(EngineDeadError):
             aengine.add_request([5], greedy(1))
         processor = RequestProcessor(aengine, tiny_tokenizer)
-        chunks = [c async for c in processor.generate(chat_request("hi", 2))]
+        chunks = [c async for c in generate(processor, chat_request("hi", 2))]
         assert [c.error.code for c in chunks] == ["engine_dead"] and chunks[0].error.status == 503
 
     asyncio.run(with_async_engine(engine, body))

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from workers.contract.sampling_params import SamplingParams
-from workers.engine.events import TokenEvent
-from workers.engine.sequence import FinishReason
+from workers.core.events import TokenEvent
+from workers.core.sequence import FinishReason
 from workers.serving.choice_output import ChoiceOutput, Usage
 
 EOS = -1  # replaced by the tokenizer's

@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from tests.support.engines import (
     chat_request,
+    generate,
     make_engine,
     template_ids,
     with_async_engine,
@@ -25,7 +26,7 @@ def completion_tokens(paged_model, tokenizer, default: int | None, requested: in
 
     async def body(aengine):
         processor = RequestProcessor(aengine, tokenizer, default_max_tokens=default)
-        return [c async for c in processor.generate(chat_request(TEXT, requested, ignore_eos=True))]
+        return [c async for c in generate(processor, chat_request(TEXT, requested, ignore_eos=True))]
 
     chunks = asyncio.run(with_async_engine(engine, body))
     assert all(c.error is None for c in chunks) and chunks[-1].finish_reason == "length"

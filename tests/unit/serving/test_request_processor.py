@@ -12,14 +12,15 @@ import pytest
 
 from tests.support.engines import (
     chat_request,
+    generate,
     make_engine,
     reference_greedy,
     template_ids,
     wait_idle,
     with_async_engine,
 )
+from workers.core.sequence import FinishReason
 from workers.engine.llm_engine import LLMEngine
-from workers.engine.sequence import FinishReason
 from workers.serving.request_processor import RequestProcessor, Timeouts
 
 
@@ -29,7 +30,7 @@ def test_request_processor_usage_and_text(tiny_model, paged_model, tiny_tokenize
 
     async def body(aengine):
         processor = RequestProcessor(aengine, tiny_tokenizer)
-        return [c async for c in processor.generate(chat_request(text, 9, ignore_eos=True))]
+        return [c async for c in generate(processor, chat_request(text, 9, ignore_eos=True))]
 
     chunks = asyncio.run(with_async_engine(engine, body))
     prompt_ids = template_ids(tiny_tokenizer, text)
@@ -56,7 +57,7 @@ def test_stream_interval_batches_tokens_after_the_first(paged_model, tiny_tokeni
     def run(interval: int, **params):
         async def body(aengine):
             processor = RequestProcessor(aengine, tiny_tokenizer, stream_interval=interval)
-            chunks = [c async for c in processor.generate(chat_request(text, 11, ignore_eos=True, **params))]
+            chunks = [c async for c in generate(processor, chat_request(text, 11, ignore_eos=True, **params))]
             await wait_idle(aengine)
             return chunks
 
@@ -97,7 +98,7 @@ def test_a_failure_goes_out_at_once_after_the_tokens_before_it(paged_model, tiny
 
     async def body(aengine):
         processor = RequestProcessor(aengine, tiny_tokenizer, stream_interval=8)
-        chunks = [c async for c in processor.generate(chat_request("Hi there", 20, ignore_eos=True))]
+        chunks = [c async for c in generate(processor, chat_request("Hi there", 20, ignore_eos=True))]
         await wait_idle(aengine)
         return chunks
 
@@ -113,7 +114,7 @@ def test_request_processor_stop_string_ends_request(paged_model, tiny_tokenizer)
 
     async def body(aengine, request):
         processor = RequestProcessor(aengine, tiny_tokenizer)
-        chunks = [c async for c in processor.generate(request)]
+        chunks = [c async for c in generate(processor, request)]
         await wait_idle(aengine)
         return chunks
 
@@ -143,7 +144,7 @@ def test_request_processor_context_length_error(paged_model, tiny_tokenizer, tex
 
     async def body(aengine):
         processor = RequestProcessor(aengine, tiny_tokenizer)
-        return [c async for c in processor.generate(chat_request(text, max_tokens))]
+        return [c async for c in generate(processor, chat_request(text, max_tokens))]
 
     chunks = asyncio.run(with_async_engine(engine, body))
     assert len(chunks) == 1
@@ -165,7 +166,7 @@ def test_aborted_request_leaves_no_used_blocks(paged_model, tiny_tokenizer):
 
     async def body(aengine):
         processor = RequestProcessor(aengine, tiny_tokenizer)
-        gen = processor.generate(chat_request("Hello!", 400, ignore_eos=True))
+        gen = generate(processor, chat_request("Hello!", 400, ignore_eos=True))
         received = 0
         async for chunk in gen:
             received += len(chunk.token_ids)
@@ -198,7 +199,7 @@ def _slow_steps(engine: LLMEngine, seconds: float) -> None:
 def _generate_with_timeouts(engine: LLMEngine, tokenizer, timeouts: Timeouts, max_tokens: int) -> list:
     async def body(aengine):
         processor = RequestProcessor(aengine, tokenizer, timeouts)
-        chunks = [c async for c in processor.generate(chat_request("Hi", max_tokens, ignore_eos=True))]
+        chunks = [c async for c in generate(processor, chat_request("Hi", max_tokens, ignore_eos=True))]
         await wait_idle(aengine)
         return chunks
 
@@ -233,7 +234,7 @@ def test_request_processor_puts_cached_tokens_on_every_chunk_from_the_first(page
         for params in ({}, {}, {"n": 2, "temperature": 1.0, "seed": 5}):
             request = chat_request(text, 4, ignore_eos=True)
             request = dataclasses.replace(request, params=dataclasses.replace(request.params, **params))
-            runs.append([c async for c in processor.generate(request)])
+            runs.append([c async for c in generate(processor, request)])
         return runs
 
     first, second, forked = asyncio.run(with_async_engine(engine, body))
@@ -258,8 +259,8 @@ def test_long_prompts_are_built_off_the_event_loop(paged_model, tiny_tokenizer, 
 
     async def body(aengine):
         processor = RequestProcessor(aengine, tiny_tokenizer)
-        short = [c async for c in processor.generate(chat_request("hi", 2))]
-        long = [c async for c in processor.generate(chat_request("x" * (rp.INLINE_PROMPT_BYTES + 1), 2))]
+        short = [c async for c in generate(processor, chat_request("hi", 2))]
+        long = [c async for c in generate(processor, chat_request("x" * (rp.INLINE_PROMPT_BYTES + 1), 2))]
         return short, long
 
     short, long = asyncio.run(with_async_engine(engine, body))

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from tests.support.engines import make_engine, wait_idle, with_async_engine
+from tests.support.engines import generate, make_engine, wait_idle, with_async_engine
 from workers.contract.chunks import GenerationChunk
 from workers.contract.continuation import ChoiceProgress, Continuation
 from workers.contract.requests import GenerateRequest
@@ -62,7 +62,7 @@ async def read(processor: RequestProcessor, request: GenerateRequest, gate: Lock
                cut: int | None = None) -> list[GenerationChunk]:
     """The chunks a client receives; with `cut`, the stream breaks after that many chunks."""
     chunks = []
-    stream = processor.generate(request)
+    stream = generate(processor, request)
     try:
         async for chunk in stream:
             chunks.append(chunk)

@@ -1,4 +1,4 @@
-"""workers/serve_logs.py: INFO lines of chatserve's own loggers reach the handlers Ray
+"""workers/contract/serve_logs.py: INFO lines of chatserve's own loggers reach the handlers Ray
 Serve sets on `ray.serve` in a replica, once, and configured loggers are left alone."""
 
 from __future__ import annotations

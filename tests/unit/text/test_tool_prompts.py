@@ -1,4 +1,4 @@
-"""Worker-side prompts with tools (workers/prompts.py): a tool-aware template gets `tools=`,
+"""Worker-side prompts with tools (workers/text/prompts.py): a tool-aware template gets `tools=`,
 a template that ignores tools gets chatserve's own section; earlier calls and tool results
 render either way; a template that opens `<think>` is reported on the chunks."""
 
@@ -12,7 +12,7 @@ import pytest
 
 from serve_app.dialects.chat.request import ChatCompletionRequest
 from serve_app.dialects.chat.translate import to_generate_request
-from tests.support.engines import make_engine, with_async_engine
+from tests.support.engines import generate, make_engine, with_async_engine
 from workers.contract.model_config import ModelConfig
 from workers.serving.request_processor import RequestProcessor
 from workers.text.prompts import PromptBuilder
@@ -112,7 +112,7 @@ def test_chunks_report_a_prompt_that_opens_the_reasoning(paged_model, tiny_token
                                chat_template_kwargs=kwargs, max_tokens=3, temperature=0)
 
     async def body(aengine):
-        return [c async for c in RequestProcessor(aengine, tokenizer).generate(request)]
+        return [c async for c in generate(RequestProcessor(aengine, tokenizer), request)]
 
     chunks = asyncio.run(with_async_engine(make_engine(paged_model, max_model_len=256), body))
     assert chunks and all(c.error is None for c in chunks)

@@ -12,6 +12,7 @@ import pytest
 
 from tests.support.engines import (
     chat_request,
+    generate,
     make_engine,
     template_ids,
     wait_idle,
@@ -20,8 +21,8 @@ from tests.support.engines import (
 from tests.support.lora_adapters import merged_greedy, merged_model, write_peft_adapter
 from workers.contract.lora import LoraRequest
 from workers.contract.model_config import LoraConfig
-from workers.engine.limits import LoraLimits
-from workers.serving.lora_adapters import WorkerAdapters, _Held
+from workers.core.limits import LoraLimits
+from workers.lora.replica_adapters import WorkerAdapters, _Held
 from workers.serving.request_processor import RequestProcessor
 
 TEXT = "Hi there, what is the capital of France?"
@@ -52,8 +53,8 @@ def test_chat_request_through_an_adapter_equals_peft_merged(paged_model, tiny_mo
     async def body(aengine, adapters):
         assert await adapters.ensure(request.lora) is None
         processor = RequestProcessor(aengine, tiny_tokenizer)
-        chunks = [c async for c in processor.generate(request)]
-        plain = [c async for c in processor.generate(chat_request(TEXT, 7, ignore_eos=True))]
+        chunks = [c async for c in generate(processor, request)]
+        plain = [c async for c in generate(processor, chat_request(TEXT, 7, ignore_eos=True))]
         await wait_idle(aengine)
         return chunks, plain
 
@@ -69,7 +70,7 @@ def test_a_request_for_an_adapter_not_loaded_is_a_400(paged_model, tiny_tokenize
     request = dataclasses.replace(chat_request(TEXT, 3), lora=LoraRequest.of("ghost", str(adapter_root / "a")))
 
     async def body(aengine, adapters):
-        return [c async for c in RequestProcessor(aengine, tiny_tokenizer).generate(request)]
+        return [c async for c in generate(RequestProcessor(aengine, tiny_tokenizer), request)]
 
     chunks, _ = _run(paged_model, LoraConfig(), body)
     assert chunks[0].error.status == 400 and chunks[0].error.code == "invalid_lora_adapter"

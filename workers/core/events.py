@@ -6,11 +6,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from workers.engine.sequence import FinishReason, Sequence
+from workers.core.request_table import RequestTable
+from workers.core.sequence import FinishReason, Sequence
 
 TopList = list[tuple[int, float]]
 StepResult = tuple[Sequence, int, "FinishReason | None"]  # (choice, sampled token, why it ended)
-LiveRequests = dict[int, list[Sequence]]  # request id -> its live choices
 
 
 @dataclass(frozen=True)
@@ -36,14 +36,14 @@ class TokenEvent:
 
 
 def token_events(results: list[StepResult], logprobs: dict[int, tuple[float, TopList]],
-                 requests: LiveRequests) -> list[TokenEvent]:
+                 requests: RequestTable) -> list[TokenEvent]:
     """The events of a step's sampled tokens (`logprobs` by row, when asked). A choice that
     ended leaves `requests` first, so its request's last choice says the request finished."""
     now = time.perf_counter()
     events = []
     for row, (seq, token, reason) in enumerate(results):
         if reason is not None:
-            _retire(requests, seq)
+            requests.retire(seq)
         lp, top = logprobs.get(row, (None, None))
         first_token = seq.lead and seq.num_output_tokens == seq.num_resumed_tokens + 1
         first = first_token and seq.params.prompt_logprobs is not None
@@ -71,12 +71,3 @@ def _cached_prompt_tokens(seq: Sequence) -> int | None:
     its given output there, which is not prompt)."""
     cached = seq.num_cached_tokens
     return None if cached is None else min(cached, seq.num_prompt_tokens)
-
-
-def _retire(requests: LiveRequests, seq: Sequence) -> None:
-    group = requests.get(seq.request_id)
-    if group is None:
-        return
-    group.remove(seq)
-    if not group:
-        del requests[seq.request_id]

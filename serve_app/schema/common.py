@@ -15,8 +15,8 @@ from typing import Annotated, Literal, Self
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from serve_app.dialects.response_format import ResponseFormat, guided_decoding
 from serve_app.http.errors import APIError, field_rule
+from serve_app.schema.response_format import ResponseFormat, guided_decoding
 from workers.contract.chunks import GenerationChunk
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.contract.errors import WorkerError
 from workers.contract.model_config import ModelConfig
 
 
@@ -56,16 +57,22 @@ def engine_limits(config: ModelConfig, model_window: int) -> EngineLimits:
     )
 
 
-class CapacityError(ValueError):
-    """The request can never fit in this engine (context window or KV pool)."""
+class CapacityError(WorkerError, ValueError):
+    """The request can never fit in this engine (context window or KV pool). `param`:
+    `max_tokens` when the output budget is what does not fit, else `prompt` (the prompt
+    leaves no room for even one token)."""
+
+    code = "context_length_exceeded"
 
     def __init__(self, message: str, prompt_alone: bool = False) -> None:
-        super().__init__(message)
-        self.prompt_alone = prompt_alone  # the prompt leaves no room for even one token
+        super().__init__(message, param="prompt" if prompt_alone else "max_tokens")
+        self.prompt_alone = prompt_alone
 
 
-class PriorityError(ValueError):
+class PriorityError(WorkerError, ValueError):
     """A request with a priority on an engine that schedules first come, first served."""
+
+    param = "priority"
 
     def __init__(self, priority: int) -> None:
         super().__init__(f"priority {priority} needs the model's engine.scheduling_policy to be `priority` "

@@ -1,23 +1,35 @@
 """LoRA adapters at the ingress: which served model a request's `model` names (a base model
-or an adapter of one), the load and unload routes' rules, and the adapters' model cards.
+or an adapter of one), the load and unload routes' rules, and the registry of adapters loaded
+at run time.
 
 Adapters come from two places: the config (`lora.adapters` of a model: permanent, known
-to every replica from the config) and run-time loads (kept in the app's LoraRegistry
-deployment, serve_app/lora_registry.py). An adapter's `LoraRequest` travels in the
-worker request; its key is the call's `multiplexed_model_id`, which routes it to a worker
-replica that holds the adapter (serve_app/worker_call.py).
+to every replica from the config) and run-time loads, kept in the app's `LoraRegistry`
+deployment (below). `AdapterCatalog.resolve` is the ingress's one adapter check; the
+files are checked by a worker replica (`check_lora_adapter`) when an adapter is loaded.
+An adapter's `LoraRequest` travels in the worker request; its key is the call's
+`multiplexed_model_id`, which routes it to a worker replica that holds the adapter
+(serve_app/transport/worker_call.py).
+
+`LoraRegistry` is a small Serve deployment with one replica, bound in the app only when a
+model serves LoRA adapters. `POST /v1/load_lora_adapter` on any ingress replica registers
+an adapter there and `/v1/unload_lora_adapter` removes it; a request naming an adapter the
+config does not list is resolved there, so every replica agrees at once. Adapters named in
+the config are not kept there: every replica reads them from the config. The registry lives
+in its replica's memory: if Serve replaces that replica, adapters loaded at run time must
+be loaded again (as a restarted vLLM server forgets them).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
+from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from serve_app.app_config import AppConfig
+from serve_app.config.app_config import AppConfig
 from serve_app.http.errors import APIError, not_found_model
-from serve_app.lora_registry import RegisteredAdapter
 from workers.contract.lora import LoraAdapterError, LoraRequest, adapter_path_inside
 from workers.contract.model_config import check_adapter_name
 
@@ -37,6 +49,12 @@ class UnloadLoraAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     lora_name: str = Field(min_length=1)
     lora_int_id: int | None = None  # vLLM's clients may send it; names are what identify adapters here
+
+
+@dataclass(frozen=True)
+class RegisteredAdapter:
+    base_model: str  # the served model id it adapts
+    request: LoraRequest
 
 
 @dataclass(frozen=True)
@@ -115,3 +133,27 @@ class AdapterCatalog:
             raise APIError(400, f"the model {requested!r} serves no LoRA adapters (its config has no `lora`)",
                            param="base_model")
         return requested
+
+
+@serve.deployment(name="LoraRegistry", num_replicas=1, ray_actor_options={"num_cpus": 0})
+class LoraRegistry:
+    def __init__(self) -> None:
+        self._adapters: dict[str, RegisteredAdapter] = {}
+        self._loads = itertools.count(1)  # a load's generation: a reloaded name gets a new key
+
+    def register(self, name: str, base_model: str, path: str) -> RegisteredAdapter | None:
+        """The new entry; None when `name` is registered already."""
+        if name in self._adapters:
+            return None
+        entry = RegisteredAdapter(base_model, LoraRequest.of(name, path, f"load-{next(self._loads)}"))
+        self._adapters[name] = entry
+        return entry
+
+    def unregister(self, name: str) -> RegisteredAdapter | None:
+        return self._adapters.pop(name, None)
+
+    def get(self, name: str) -> RegisteredAdapter | None:
+        return self._adapters.get(name)
+
+    def all(self) -> list[RegisteredAdapter]:
+        return list(self._adapters.values())

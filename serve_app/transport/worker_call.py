@@ -1,6 +1,6 @@
 """The one place that calls a model worker, for the HTTP routes and the handle API alike.
 
-A call goes through the worker deployment's transport (serve_app/transport/): the
+A call goes through the worker deployment's `WorkerChannels` (channels.py): the
 request's own `generate` call, its chunks by this ingress's channel to the replica that
 runs it. Its first chunk is awaited before anything is answered, so errors found by the
 worker (context window, template) still get their own status code, and an overloaded
@@ -9,7 +9,9 @@ request with an error chunk (503 `worker_failed`), and a caller that stops early
 the worker's sequence.
 
 Each dialect supplies what the chunks become: a streamer (`events(first, rest)` -> SSE
-text) or an accumulator (`add(chunk)`, `result()`).
+text) or an accumulator (`add(chunk)`, `result()`). A worker's error (`ErrorInfo`) becomes
+an `APIError` only by `APIError.from_info` (serve_app/http/errors.py): here for the first
+chunk, in the streamers and accumulators for a later one.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ class ConfigError(ValueError):
 
 
 class MediaOptions(BaseModel):
-    """Where images in chat messages may come from (applied by the ingress, serve_app/media.py).
+    """Where images in chat messages may come from (applied by the ingress, serve_app/media/images.py).
 
     Local paths are read only under `directory`; remote http(s) URLs are fetched only when
     `allow_remote` is on, and never from an address that is not globally routable

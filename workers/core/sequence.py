@@ -5,12 +5,37 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from workers.contract.sampling_params import SamplingParams
-from workers.lora.peft_files import LoraAdapter
-from workers.model.multimodal import ImageFeatures
-from workers.sampling.guided import GuideState
-from workers.sampling.seeded_draws import stream_key
+from workers.core.images import ImageFeatures
+from workers.core.seed_streams import stream_key
+
+
+class GrammarState(Protocol):
+    """A sequence's grammar state, as the engine drives it (workers/sampling/guided.py makes it)."""
+
+    @property
+    def is_complete(self) -> bool: ...
+
+    def advance(self, token_id: int) -> bool: ...
+
+    def fork(self) -> "GrammarState": ...
+
+    def truncate(self, output_token_ids: list[int]) -> None: ...
+
+
+class Adapter(Protocol):
+    """A sequence's LoRA adapter, as the engine holds it (workers/lora/peft_files.py reads it)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def rank(self) -> int: ...
 
 
 class SequenceStatus(enum.Enum):
@@ -64,8 +89,8 @@ class Sequence:
     # K/V) never share blocks.
     cache_salt: bytes = b""
     image_features: ImageFeatures | None = None  # vision models: by prompt position, fed by the model runner
-    guide: GuideState | None = None  # the grammar state when params.guided is set
-    lora: LoraAdapter | None = None  # its adapter (held here, so unloading it never strands a queued request)
+    guide: GrammarState | None = None  # the grammar state when params.guided is set
+    lora: Adapter | None = None  # its adapter (held here, so unloading it never strands a queued request)
     lora_slot: int | None = None  # the adapter's device slot while the sequence runs (LoraManager.admit)
     block_hashes: list[bytes] = field(default_factory=list)  # chain hash of each full block, memoised
     num_cached_blocks: int = 0  # leading blocks of block_table already offered to the prefix cache

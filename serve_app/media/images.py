@@ -29,7 +29,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from serve_app.app_config import MediaOptions
+from serve_app.config.app_config import MediaOptions
 from serve_app.http.errors import APIError
 from workers.contract.requests import ImageData
 

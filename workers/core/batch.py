@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from workers.engine.sequence import Sequence
+from workers.core.sequence import Sequence
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from ray import serve
 
@@ -21,15 +22,24 @@ from workers.contract.chunks import ErrorInfo
 from workers.contract.lora import LoraAdapterError, LoraRequest, adapter_path_inside
 from workers.contract.model_config import LoraConfig
 from workers.lora.peft_files import LoraAdapter, read_peft_adapter
-from workers.serving.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
+
+
+class AdapterEngine(Protocol):
+    """What the replica's engine does with adapters (workers/serving/async_engine.py's AsyncEngine)."""
+
+    def check_lora(self, adapter: LoraAdapter) -> None: ...
+
+    def add_lora(self, adapter: LoraAdapter) -> None: ...
+
+    def remove_lora(self, key: str) -> None: ...
 
 
 class _Held:
     """One adapter a replica holds; Serve calls `__del__` when it drops it (least recently used)."""
 
-    def __init__(self, engine: AsyncEngine, key: str) -> None:
+    def __init__(self, engine: AdapterEngine, key: str) -> None:
         self.engine, self.key, self._held = engine, key, True
 
     def __del__(self) -> None:
@@ -39,7 +49,7 @@ class _Held:
 
 
 class WorkerAdapters:
-    def __init__(self, engine: AsyncEngine, config: LoraConfig | None, multiplexed: bool) -> None:
+    def __init__(self, engine: AdapterEngine, config: LoraConfig | None, multiplexed: bool) -> None:
         """`multiplexed`: inside a Serve replica (Serve routes and evicts)."""
         self.engine = engine
         self.config = config
@@ -67,7 +77,7 @@ class WorkerAdapters:
             adapter = await asyncio.to_thread(read_peft_adapter, LoraRequest.of(name, str(resolved)))
             self.engine.check_lora(adapter)
         except LoraAdapterError as exc:
-            return ErrorInfo(400, str(exc), param="lora_path", code="invalid_lora_adapter")
+            return exc.info("lora_path")
         return None
 
     async def ensure(self, request: LoraRequest) -> ErrorInfo | None:
@@ -76,13 +86,13 @@ class WorkerAdapters:
         try:
             self._allowed(request)
         except LoraAdapterError as exc:
-            return ErrorInfo(400, str(exc), param="model", code="invalid_lora_adapter")
+            return exc.info()
         key = request.key
         self._pending[key] = (request, self._pending.get(key, (request, 0))[1] + 1)
         try:
             await self._load(key)
         except LoraAdapterError as exc:
-            return ErrorInfo(400, str(exc), param="model", code="invalid_lora_adapter")
+            return exc.info()
         finally:
             waiting = self._pending[key][1] - 1
             if waiting:

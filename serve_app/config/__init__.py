@@ -1,0 +1,1 @@
+"""The application config (the Serve YAML's `args`): typed, validated at start, read by every other package."""
