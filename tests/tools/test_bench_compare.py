@@ -6,7 +6,13 @@ import re
 import shlex
 from pathlib import Path
 
-from tools.bench.compare import DEFAULT_EDGE, EDGES, SERVE_ENV
+from tools.bench.compare import (
+    DEFAULT_EDGE,
+    EDGES,
+    SERVE_ENV,
+    SERVE_PORT,
+    serve_environment,
+)
 
 MAKEFILE = Path(__file__).resolve().parents[2] / "Makefile"
 
@@ -24,3 +30,9 @@ def test_the_benchmark_starts_serve_with_make_serves_environment():
 
 def test_make_serve_uses_that_environment():
     assert re.search(r"^serve: .*\n\t\$\(SERVE_ENV\) \$\(BIN\)/serve run", MAKEFILE.read_text(), re.M)
+
+
+def test_make_serves_start_and_the_plain_one():
+    env, port = serve_environment(DEFAULT_EDGE)
+    assert env == makefile_serve_env() and port == SERVE_PORT
+    assert serve_environment(DEFAULT_EDGE, plain=True) == ({}, SERVE_PORT)  # as typed by hand: Serve's proxy

@@ -106,12 +106,23 @@ def bench_engine(args, model: Model, mode: str, config: Path, report: Path) -> N
          "--json", str(report)])
 
 
-@contextmanager
-def serve_running(config: Path, edge: str, extra_env: dict[str, str], log_path: Path) -> Iterator[str]:
-    """`serve run config` started as `make serve` starts it (SERVE_ENV, the edge's environment)
-    plus `extra_env`; yields its URL once it serves, and stops everything it started."""
+def serve_environment(edge: str, plain: bool = False) -> tuple[dict[str, str], int]:
+    """What `serve run` is started with, and the port it serves on: make serve's (SERVE_ENV
+    and the edge's), or, `plain`, nothing of chatserve's (Serve's proxy on port 8000)."""
+    if plain:
+        return {}, EDGES["proxy"][1]
     edge_env, port = EDGES[edge]
-    env = {**os.environ, **SERVE_ENV, **edge_env, **extra_env, "PYTHONPATH": str(REPO)}
+    return {**SERVE_ENV, **edge_env}, port
+
+
+@contextmanager
+def serve_running(config: Path, edge: str, extra_env: dict[str, str], log_path: Path,
+                  plain: bool = False) -> Iterator[str]:
+    """`serve run config` started as `make serve` starts it (SERVE_ENV, the edge's environment)
+    plus `extra_env`, or `plain`: as a user types it, with no environment of chatserve's
+    (Serve's proxy is the edge); yields its URL once it serves, and stops everything it started."""
+    chosen, port = serve_environment(edge, plain)
+    env = {**os.environ, **chosen, **extra_env, "PYTHONPATH": str(REPO)}
     with open(log_path, "w") as log:
         process = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", str(config)], cwd=REPO,
                                    env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -125,9 +136,9 @@ def serve_running(config: Path, edge: str, extra_env: dict[str, str], log_path: 
                        capture_output=True)
 
 
-def bench_serve(args, model: Model, config: Path, report: Path) -> None:
+def bench_serve(args, model: Model, config: Path, report: Path, plain: bool = False) -> None:
     extra = dict(item.split("=", 1) for item in args.serve_env)
-    with serve_running(config, args.edge, extra, args.out / "serve.log") as url:
+    with serve_running(config, args.edge, extra, args.out / "serve.log", plain) as url:
         load(args, url, model.name, report)
 
 
@@ -173,7 +184,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 16, 32, 64])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--systems", nargs="+", default=["engine", "serve", "vllm"],
-                        choices=["engine", "worker", "serve", "vllm"])
+                        choices=["engine", "worker", "serve", "plain", "vllm"],
+                        help="plain: `serve run` of the config as typed by hand, without make serve's environment")
     parser.add_argument("--dtype", default="float32", help="every system's (vLLM's CPU build runs float32 here)")
     parser.add_argument("--edge", choices=sorted(EDGES), default=DEFAULT_EDGE, help="the Serve path's HTTP edge")
     parser.add_argument("--serve-env", nargs="*", default=[], metavar="KEY=VALUE",
@@ -189,8 +201,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"== {system}: {model.name}, c={args.levels}, {args.max_tokens} tokens", flush=True)
         if system in ("engine", "worker"):
             bench_engine(args, model, "offline" if system == "engine" else "worker", config, reports[system])
-        elif system == "serve":
-            bench_serve(args, model, config, reports[system])
+        elif system in ("serve", "plain"):
+            bench_serve(args, model, config, reports[system], plain=system == "plain")
         else:
             bench_vllm(args, model, reports[system])
     table = summary({system: levels(path) for system, path in reports.items()})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.text.detokenizer import IncrementalDetokenizer
+from workers.text.detokenizer import IncrementalDetokenizer, window_decoder
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -94,3 +94,22 @@ def test_long_generation_decodes_short_windows(tiny_tokenizer):
     # Each step decodes a short window, not the whole history (cost per token stays flat).
     assert len(ids) > 200
     assert max(recorder.window_sizes) <= 12
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_rust_decoder_gives_transformers_text(tiny_tokenizer, skip):
+    """The fast path decodes with the Rust tokenizer directly: the same text as the wrapper,
+    every window of every test text, special tokens skipped or kept."""
+    decode = window_decoder(tiny_tokenizer, skip)
+    assert decode.func == tiny_tokenizer.backend_tokenizer.decode
+    ids = tiny_tokenizer(" ".join(TEXTS), add_special_tokens=False)["input_ids"] + [tiny_tokenizer.eos_token_id]
+    for start in range(0, len(ids) - 6):
+        window = ids[start : start + 6]
+        assert decode(window) == tiny_tokenizer.decode(window, skip_special_tokens=skip)
+
+
+def test_a_tokenizer_that_cleans_up_spaces_keeps_transformers_decode(tiny_tokenizer, monkeypatch):
+    monkeypatch.setattr(tiny_tokenizer, "clean_up_tokenization_spaces", True)
+    monkeypatch.setattr(tiny_tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output",
+                        True, raising=False)
+    assert window_decoder(tiny_tokenizer, True).func == tiny_tokenizer.decode
