@@ -20,7 +20,7 @@ JSON_DEFAULTS = {"whitespace_flexible": False}
 
 class GuidedDecodingError(WorkerError, ValueError):
     """The grammar cannot be compiled, or the request cannot be guided; `param` is the
-    request's constraint field, where the raiser sees it."""
+    request's constraint field (`GuidedDecoding.param`)."""
 
     code = "invalid_grammar"
     prefix = "the output constraint cannot be used: "
@@ -32,12 +32,12 @@ def grammar_text(guided: GuidedDecoding) -> str:
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(guided.spec, defaults=JSON_DEFAULTS)
         except ValueError as exc:
-            raise GuidedDecodingError(f"the schema is not a JSON object: {exc}") from exc
+            raise GuidedDecodingError(f"the schema is not a JSON object: {exc}", guided.param) from exc
     if guided.kind == "lark":
         return llguidance.LLMatcher.grammar_from_lark(guided.spec)
     if guided.kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(guided.spec)
-    raise GuidedDecodingError(f"unknown guided decoding kind {guided.kind!r}")
+    raise GuidedDecodingError(f"unknown guided decoding kind {guided.kind!r}", guided.param)
 
 
 def lark_json(schema: dict) -> str:

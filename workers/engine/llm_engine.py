@@ -114,15 +114,11 @@ class LLMEngine:
         compilation can take milliseconds and is better kept off the engine thread."""
         if params.guided is None:
             return None
-        try:
-            if params.use_beam_search:
-                raise GuidedDecodingError("guided decoding is not available with beam search")
-            if self.guided is None:
-                raise GuidedDecodingError("this engine has no tokenizer, so it cannot guide decoding")
-            return self.guided.compile(params.guided)
-        except GuidedDecodingError as exc:
-            exc.param = params.guided.param  # the request's constraint field, which the grammar's code never sees
-            raise
+        if params.use_beam_search:
+            raise GuidedDecodingError("guided decoding is not available with beam search", params.guided.param)
+        if self.guided is None:
+            raise GuidedDecodingError("this engine has no tokenizer, so it cannot guide decoding", params.guided.param)
+        return self.guided.compile(params.guided)
 
     def replay_output(self, prompt_token_ids: list[int], params: SamplingParams, outputs: dict[int, list[int]],
                       guide: GuideState | None) -> list[ResumedChoice]:

@@ -120,12 +120,13 @@ class GuidedDecoder:
         Thread-safe: the API worker compiles off the engine thread."""
         matcher = llguidance.LLMatcher(self.tokenizer, grammar_text(guided), log_level=0)
         if matcher.is_error():
-            raise GuidedDecodingError(f"invalid {guided.kind} grammar: {matcher.get_error()}")
+            raise GuidedDecodingError(f"invalid {guided.kind} grammar: {matcher.get_error()}", guided.param)
         # A grammar can be valid and still admit no output at all (`{"$ref": "#"}`); the
         # first mask shows it, and computing it leaves the matcher where it was.
         matcher.compute_bitmask()
         if matcher.is_error():
-            raise GuidedDecodingError("it admits no output at all (e.g. a schema that only refers to itself)")
+            raise GuidedDecodingError("it admits no output at all (e.g. a schema that only refers to itself)",
+                                      guided.param)
         return GuideState(matcher, self.eos_token_ids)
 
     def mask(self, guides: list[GuideState | None], device: torch.device) -> GuidedMask | None:

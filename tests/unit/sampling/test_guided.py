@@ -351,7 +351,8 @@ def test_request_processor_reports_a_bad_grammar_as_400(paged_model, tiny_tokeni
 
     def request(spec: str) -> GenerateRequest:
         return GenerateRequest(request_id="r", params=SamplingParams(temperature=1.0, seed=0,
-                                                                     guided=GuidedDecoding("json_schema", spec)),
+                                                                     guided=GuidedDecoding("json_schema", spec,
+                                                                                           param="response_format")),
                                messages=[{"role": "user", "content": "JSON"}], max_tokens=64)
 
     async def body(aengine):
@@ -362,6 +363,7 @@ def test_request_processor_reports_a_bad_grammar_as_400(paged_model, tiny_tokeni
 
     bad, good = asyncio.run(with_async_engine(engine, body))
     assert len(bad) == 1 and bad[0].error.status == 400 and "objectx" in bad[0].error.message
+    assert bad[0].error.param == "response_format" and bad[0].error.code == "invalid_grammar"
     assert good[-1].finish_reason == "stop"
     jsonschema.validate(json.loads("".join(c.text for c in good)), SCHEMAS["enums"])
 
