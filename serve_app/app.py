@@ -8,7 +8,8 @@ from typing import Any
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from serve_app.config.app_config import AppConfig, parse_app_config
+from serve_app.config.app_config import AppConfig, ConfigError, parse_app_config
+from serve_app.config.placement import cluster_nodes, placement_problem
 from serve_app.ingress import ChatIngress
 from serve_app.lora.adapters import LoraRegistry
 from serve_app.transport.router import ROUTER_CLASS
@@ -24,16 +25,25 @@ def build_app(args: dict[str, Any]) -> Application:
     """Validate the config (a bad key fails here, named) and bind ingress + one worker per
     model (+ the LoRA registry when a model serves adapters)."""
     config = parse_app_config(args)
+    check_placement(config, cluster_nodes())
     workers = {model.id: worker_deployment(model, config).bind(model.model_dump()) for model in config.models}
     registry = LoraRegistry.bind() if any(m.lora is not None for m in config.models) else None
     return ChatIngress.options(**config.ingress.serve_options()).bind(config.model_dump(), workers, registry)
+
+
+def check_placement(config: AppConfig, nodes: list[dict[str, float]]) -> None:
+    """Raise ConfigError when a model's split replica cannot fit the cluster (serve_app/config/placement.py)."""
+    for index, model in enumerate(config.models):
+        problem = placement_problem(model, nodes)
+        if problem is not None:
+            raise ConfigError(f"invalid chatserve config: models.{index}.{problem}")
 
 
 def worker_deployment(model: ModelConfig, config: AppConfig):
     """The model's worker deployment: its Serve options, its router (serve_app/transport/router.py),
     and room for one channel per ingress replica beside `max_ongoing_requests` (a channel is
     an open call, and Serve counts it)."""
-    options = model.deployment.serve_options()
+    options = model.worker_serve_options()
     options["max_ongoing_requests"] += config.ingress.max_replicas
     router = RequestRouterConfig(request_router_class=ROUTER_CLASS, request_router_kwargs=model.routing.model_dump())
     return ModelWorker.options(name=worker_deployment_name(model.id), **options, request_router_config=router)

@@ -132,7 +132,7 @@ def test_deployment_path_captures_graphs(tmp_path):
     config = ModelConfig(id="tiny", source=str(model_dir), device="cuda", dtype="float32",
                          engine={"max_num_seqs": 24, "kv_cache_memory_gib": 0.05},
                          deployment={"ray_actor_options": {"num_gpus": 1}})
-    engine, _ = build_engine(config)
+    engine = build_engine(config).engine
     graphs = engine.runner.decode_graphs
     assert graphs is not None and graphs.sizes == [1, 2, 4, 8, 16, 24]  # capped by max_num_seqs
     assert all(len(t) == 6 for t in greedy_outputs(engine, _prompts(3), [6] * 3))

@@ -13,7 +13,7 @@ from workers.contract.requests import GenerateRequest
 from workers.contract.sampling_params import SamplingParams
 from workers.core.limits import EngineLimits
 from workers.engine.llm_engine import LLMEngine
-from workers.model.kv_cache import KVCacheShape
+from workers.parallel.shard_loop import shard_kv_shape
 from workers.serving.async_engine import AsyncEngine
 
 CPU = torch.device("cpu")
@@ -38,10 +38,12 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
 
 
-def make_engine(model, num_blocks=256, block_size=4, eos=frozenset(), tokenizer=None, **limits) -> LLMEngine:
-    per_token = KVCacheShape.from_model_config(model.config, model.dtype).bytes_per_token
+def make_engine(model, num_blocks=256, block_size=4, eos=frozenset(), tokenizer=None, tensor_group=None,
+                **limits) -> LLMEngine:
+    """`tensor_group`: `model` is the driver's part of a split model (workers/parallel/)."""
+    per_token = shard_kv_shape(model, tensor_group.world if tensor_group else 1).bytes_per_token
     limits = EngineLimits(block_size=block_size, kv_cache_bytes=num_blocks * block_size * per_token, **limits)
-    engine = LLMEngine(model, eos, limits, CPU, tokenizer=tokenizer)
+    engine = LLMEngine(model, eos, limits, CPU, tokenizer=tokenizer, tensor_group=tensor_group)
     assert engine.blocks.num_blocks == num_blocks
     return engine
 

@@ -166,6 +166,22 @@ class WorkerDeploymentConfig(DeploymentConfig):
         None, description="Serve autoscaling between min_replicas and max_replicas; unset: num_replicas")
 
 
+class ParallelConfig(_Strict):
+    """How one worker replica splits its model (workers/parallel/): tensor parallel, the
+    Megatron way, over `tensor_parallel_size` shards, each a Ray actor in the replica's
+    placement group (the replica itself is shard 0). On cpu the replica's
+    `ray_actor_options.num_cpus` is split evenly over its shards; on cuda each shard takes
+    one GPU."""
+
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=64, description="shards one replica splits the model's heads, MLP and vocabulary over (it must "
+        "divide the attention heads, KV heads and intermediate size; Llama, Mistral, Qwen2 and Qwen3 models)")
+    pipeline_parallel_size: int = Field(
+        1, ge=1, le=1, description="layer stages per replica; only 1: pipeline parallelism is not built yet")
+    placement_group_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        "STRICT_PACK", description="how Ray places the shards' bundles: STRICT_PACK keeps a tensor group on one node")
+
+
 class ResumeConfig(_Strict):
     """How a request outlives the worker replica serving it (serve_app/transport/)."""
 
@@ -258,6 +274,7 @@ class ModelConfig(_Strict):
     lora: LoraConfig | None = Field(
         None, description="LoRA adapters served on this model, each by its own name; unset: none (no LoRA code "
         "on the model's path)")
+    parallel: ParallelConfig = Field(ParallelConfig(), description="splitting the model over several devices")
 
     @model_validator(mode="after")
     def _gpu_needs_gpu(self) -> "ModelConfig":
@@ -268,4 +285,37 @@ class ModelConfig(_Strict):
             raise ValueError("device 'cpu' with deployment.ray_actor_options.num_gpus > 0 wastes a GPU")
         if self.lora is not None and self.id in self.lora.adapters:
             raise ValueError(f"lora.adapters: adapter name {self.id!r} is the model's own id")
+        self._check_parallel(gpus)
         return self
+
+    def _check_parallel(self, gpus: float) -> None:
+        tp = self.parallel.tensor_parallel_size
+        if tp == 1:
+            return
+        where = "parallel.tensor_parallel_size"
+        if self.lora is not None:
+            raise ValueError(f"{where}: LoRA adapters on a split model are not built yet; unset lora or use 1")
+        if not self.engine.direct_forward:
+            raise ValueError(f"{where}: a split model runs the direct forward; set engine.direct_forward: true")
+        if self.device == "cuda" and gpus != 1:
+            raise ValueError(f"{where}: each shard takes one GPU; set deployment.ray_actor_options.num_gpus: 1")
+        if self.device == "cuda" and self.engine.kv_cache_memory_gib is None:
+            raise ValueError(f"{where}: on cuda set engine.kv_cache_memory_gib (the pool is not profiled per shard)")
+
+    def worker_serve_options(self) -> dict[str, Any]:
+        """Serve's options for the worker deployment: one placement-group bundle per shard
+        when the model is split (the replica's actor takes the first)."""
+        options = self.deployment.serve_options()
+        tp = self.parallel.tensor_parallel_size
+        if tp == 1:
+            return options
+        actor = options["ray_actor_options"]
+        bundle = {"CPU": actor.get("num_cpus", 1) / tp}
+        if self.device == "cuda":
+            bundle["GPU"] = 1
+        actor["num_cpus"] = bundle["CPU"]
+        if not any(bundle.values()):
+            return options  # nothing reserved (num_cpus 0 on cpu): the shards are plain actors
+        options["placement_group_bundles"] = [dict(bundle) for _ in range(tp)]
+        options["placement_group_strategy"] = self.parallel.placement_group_strategy
+        return options

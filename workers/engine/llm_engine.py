@@ -45,6 +45,8 @@ from workers.engine.step_recovery import StepRecovery
 from workers.lora.manager import LoraManager
 from workers.model.cuda_graphs import DecodeGraphs
 from workers.model.kv_cache import PagedKVCache
+from workers.parallel.shard_loop import KVPlan
+from workers.parallel.tensor_group import TensorGroup
 from workers.sampling.guided import GuideState
 from workers.sampling.logprobs import sampled_logprobs, score_prompts
 from workers.sampling.sampler import Sampler, SamplingTensors
@@ -58,15 +60,22 @@ class LLMEngine:
         limits: EngineLimits,
         device: torch.device,
         tokenizer=None,
+        tensor_group: TensorGroup | None = None,
     ) -> None:
         """`tokenizer` (a fast HF tokenizer) enables guided decoding; without one, a guided
-        request is refused."""
+        request is refused. `tensor_group`: `model` is this driver's part of a model split
+        over that group (workers/parallel/); the other shards mirror its KV pool and run
+        each step it sends them."""
         self.limits = limits
         self.device = device
         self.eos_token_ids = eos_token_ids
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        shape, num_blocks = kv_pool(model, limits)
-        path = decode_path(device, limits)
+        self.tensor_group = tensor_group
+        # A split model's output head holds only this shard's rows of the vocabulary.
+        self.vocab_size = model.config.vocab_size if tensor_group else model.get_output_embeddings().weight.shape[0]
+        shape, num_blocks = kv_pool(model, limits, tensor_group.world if tensor_group else 1)
+        if tensor_group is not None:
+            tensor_group.send(KVPlan(num_blocks, limits.block_size))
+        path = decode_path(device, limits, split=tensor_group is not None)
         self.kv_cache = PagedKVCache(shape, num_blocks, limits.block_size, device, padding_block=path.graphs)
         self.blocks = BlockManager(num_blocks, limits.block_size, limits.enable_prefix_caching)
         # Before the runner: its CUDA graphs capture the LoRA layers too.
@@ -76,7 +85,8 @@ class LLMEngine:
                             limits.max_prefill_tokens_while_decoding, limits.priority_scheduling),
             self.blocks, self.lora,
         )
-        self.runner = model_runner(model, self.kv_cache, device, path, limits, self.vocab_size, self.lora)
+        self.runner = model_runner(model, self.kv_cache, device, path, limits, self.vocab_size, self.lora,
+                                   tensor_group)
         self.sampler = Sampler()
         self.guided = guided_decoder(tokenizer, self.vocab_size, eos_token_ids)
         self._ids = itertools.count()
@@ -252,7 +262,7 @@ class LLMEngine:
         if self.overlap.can_start(batch):
             self.overlap.start(batch)
             return []  # its tokens come out of the next step() call
-        self.kv_cache.copy_blocks(batch.block_copies)
+        self._copy_blocks(batch.block_copies)
         logits, prompt_rows = self.runner.forward(batch.decodes, batch.prefills)
         logits = logits[:, : self.vocab_size]
         chunks = batch.sampling_chunks
@@ -262,6 +272,17 @@ class LLMEngine:
         events = self.beams.step([chunks[i].seq for i in beam_rows], logits[beam_rows]) if beam_rows else []
         sampling_rows = [i for i, c in enumerate(chunks) if not c.seq.params.use_beam_search]
         return events + self._sample([chunks[i].seq for i in sampling_rows], logits, sampling_rows)
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write of shared blocks, in this pool and (split model) in every shard's."""
+        self.kv_cache.copy_blocks(pairs)
+        if pairs and self.tensor_group is not None:
+            self.runner.direct.record_copies(pairs)
+
+    def close(self) -> None:
+        """Let a split model's other shards go (they wait for steps until told)."""
+        if self.tensor_group is not None:
+            self.runner.direct.close()
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, sampling_rows: list[int]) -> list[TokenEvent]:
         """Sample the next token of `seqs` (and of the choices they fork now) from their rows of `logits`."""
@@ -279,7 +300,7 @@ class LLMEngine:
 
     def _launch_decodes(self, batch: ScheduledBatch, token_ids: torch.Tensor | None) -> torch.Tensor:
         """Async scheduling's device half: a decode-only step, sampled on the device."""
-        self.kv_cache.copy_blocks(batch.block_copies)
+        self._copy_blocks(batch.block_copies)
         logits, _ = self.runner.forward(batch.decodes, [], decode_token_ids=token_ids)
         seqs = [c.seq for c in batch.decodes]
         # Fed from the device, each sequence's previous token is sampled but not appended yet.

@@ -11,10 +11,13 @@ import torch
 from workers.core.adapter_slots import AdapterSlots, NoAdapters
 from workers.core.limits import EngineLimits
 from workers.model.cuda_graphs import DecodeGraphs
-from workers.model.direct_forward import direct_forward_for
+from workers.model.direct_forward import DirectForward, direct_forward_for
 from workers.model.kv_cache import KVCacheShape, PagedKVCache
 from workers.model.runner import ModelRunner
 from workers.model.triton_attention import triton_available
+from workers.parallel.driver import TensorParallelForward
+from workers.parallel.shard_loop import shard_kv_shape
+from workers.parallel.tensor_group import TensorGroup
 from workers.sampling.guided import GuidedDecoder
 
 logger = logging.getLogger(__name__)
@@ -27,9 +30,10 @@ class DecodePath:
     direct: bool = False  # Llama-shaped models run chatserve's own forward (direct_forward.py)
 
 
-def kv_pool(model: torch.nn.Module, limits: EngineLimits) -> tuple[KVCacheShape, int]:
-    """The model's KV shape and how many blocks the budget holds (at least one, or ValueError)."""
-    shape = KVCacheShape.from_model_config(model.config, model.dtype)
+def kv_pool(model: torch.nn.Module, limits: EngineLimits, world: int = 1) -> tuple[KVCacheShape, int]:
+    """The model's KV shape (of one shard's KV heads, split over `world`) and how many
+    blocks the budget holds (at least one, or ValueError)."""
+    shape = shard_kv_shape(model, world)
     num_blocks = shape.num_blocks_for_budget(limits.kv_cache_bytes, limits.block_size)
     if num_blocks < 1:
         raise ValueError(
@@ -39,24 +43,33 @@ def kv_pool(model: torch.nn.Module, limits: EngineLimits) -> tuple[KVCacheShape,
     return shape, num_blocks
 
 
-def decode_path(device: torch.device, limits: EngineLimits) -> DecodePath:
+def decode_path(device: torch.device, limits: EngineLimits, split: bool = False) -> DecodePath:
+    """`split`: the model is split over a tensor-parallel group, which only the direct
+    forward runs (no CUDA graphs: their replay would skip the collectives)."""
     triton_decode = device.type == "cuda" and triton_available()
-    use_graphs = device.type == "cuda" and limits.cuda_graph_max_batch > 0
+    use_graphs = device.type == "cuda" and limits.cuda_graph_max_batch > 0 and not split
     if use_graphs and not triton_decode:
         logger.warning("CUDA graphs need the Triton decode kernel (triton not importable): decode runs eager")
         use_graphs = False
     # CPU only: what it saves is Python and dispatch time, which CUDA graphs already
     # take out of a GPU's decode steps (and it has not been measured on a GPU).
-    direct = device.type == "cpu" and limits.direct_forward and limits.lora is None
+    direct = (device.type == "cpu" or split) and limits.direct_forward and limits.lora is None
     return DecodePath(triton_decode, use_graphs, direct)
 
 
 def model_runner(model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device, path: DecodePath,
-                 limits: EngineLimits, vocab_size: int, lora: AdapterSlots = NoAdapters()) -> ModelRunner:
+                 limits: EngineLimits, vocab_size: int, lora: AdapterSlots = NoAdapters(),
+                 tensor_group: TensorGroup | None = None) -> ModelRunner:
     """The runner, with its decode graphs captured when `path` says so (with and without
-    LoRA rows when `lora` has slots)."""
+    LoRA rows when `lora` has slots). `tensor_group`: `model` is this driver's part of a
+    split model (workers/parallel/), which the direct forward runs over the group."""
     runner = ModelRunner(model, kv_cache, device, triton_decode=path.triton, lora=lora)
-    if path.direct:  # never with LoRA (decode_path)
+    if tensor_group is not None:
+        if not path.direct:
+            raise ValueError("a model split over a tensor-parallel group runs the direct forward only "
+                             "(engine.direct_forward is off, or LoRA is on)")
+        runner.direct = TensorParallelForward(DirectForward(model, tensor_group), tensor_group)
+    elif path.direct:  # never with LoRA (decode_path)
         runner.direct = direct_forward_for(model)
     if path.graphs:
         graphs = DecodeGraphs(model, kv_cache, min(limits.cuda_graph_max_batch, limits.max_num_seqs),

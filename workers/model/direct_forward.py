@@ -14,6 +14,11 @@ It runs only what it was written for: Llama, Mistral, Qwen2 and Qwen3 models (Qw
 per-head RMSNorm of q and k included) with their sibling projections fused
 (fused_projections.py), rotary positions, plain RMSNorm and a gated MLP. Anything else
 (other families, LoRA layers, images) runs transformers' forward.
+
+Split over a tensor-parallel group (workers/parallel/), each shard runs this same loop on
+its part of the heads and of the MLP: the group adds the shards' partial o_proj and
+down_proj products, looks the ids up in the split vocabulary and gathers the logits to
+the driver (the other shards get None).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +38,18 @@ from workers.model.fused_projections import ProjectionSlice
 logger = logging.getLogger(__name__)
 
 Norm = Callable[[torch.Tensor], torch.Tensor]
+
+
+class ShardCollectives(Protocol):
+    """What a tensor-parallel shard's forward needs of its group (workers/parallel/tensor_group.py)."""
+
+    world: int
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def embed(self, rows: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor: ...
+
+    def gather_logits(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor | None: ...
 
 
 def _layer_window(model: nn.Module, attn: nn.Module) -> int | None:
@@ -111,16 +129,20 @@ def unsupported_reason(model: nn.Module) -> str | None:
 class DirectForward:
     """The model's logits for one packed step, without transformers' module calls."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, shards: ShardCollectives | None = None):
+        """`shards`: the group `model` was split over (workers/parallel/tensor_split.py)."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the direct forward cannot run this model: {reason}")
         config, body = model.config, model.model
+        self.shards = shards
+        self.vocab_size = config.vocab_size
         self.embed = body.embed_tokens
         self.rotary = body.rotary_emb
         self.final_norm = _rms_norm(body.norm)
         self.lm_head = model.lm_head
-        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        world = shards.world if shards is not None else 1
+        heads, kv_heads = config.num_attention_heads // world, config.num_key_value_heads // world
         self.layers = [self._layer(model, index, layer, heads, kv_heads) for index, layer in enumerate(body.layers)]
 
     @staticmethod
@@ -145,10 +167,15 @@ class DirectForward:
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, meta: AttentionMetadata,
-                 logits_to_keep: torch.Tensor) -> torch.Tensor:
+                 logits_to_keep: torch.Tensor) -> torch.Tensor | None:
         """input_ids, position_ids [1, T]; the logits of the `logits_to_keep` rows [1, K, vocab]
-        in the model's dtype, as transformers' forward returns them."""
-        x = self.embed(input_ids[0])  # [T, hidden]
+        in the model's dtype, as transformers' forward returns them (None on a shard that is
+        not its group's driver)."""
+        shards = self.shards
+        if shards is None:
+            x = self.embed(input_ids[0])  # [T, hidden]
+        else:
+            x = shards.embed(self.embed.weight, input_ids[0], self.vocab_size)
         cos, sin = self.rotary(x, position_ids)
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, Dh]: one angle per position, every head
         # transformers rotates by q * cos + cat(-q2, q1) * sin. cat(q2, q1) is one roll, and
@@ -156,9 +183,16 @@ class DirectForward:
         half = sin.shape[-1] // 2
         signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         for layer in self.layers:
-            x = x + self._attention(layer, layer.input_norm(x), cos, signed_sin, meta)
-            x = x + self._mlp(layer, layer.post_norm(x))
-        return self.lm_head(self.final_norm(x[logits_to_keep])).unsqueeze(0)
+            x = x + self._summed(self._attention(layer, layer.input_norm(x), cos, signed_sin, meta))
+            x = x + self._summed(self._mlp(layer, layer.post_norm(x)))
+        logits = self.lm_head(self.final_norm(x[logits_to_keep]))
+        if shards is not None:
+            logits = shards.gather_logits(logits, self.vocab_size)
+        return logits.unsqueeze(0) if logits is not None else None
+
+    def _summed(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-split product: the sum of every shard's part (itself when unsplit)."""
+        return partial if self.shards is None else self.shards.all_reduce(partial)
 
     @staticmethod
     def _attention(layer: _Layer, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,

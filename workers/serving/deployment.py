@@ -26,14 +26,24 @@ from workers.engine.llm_engine import LLMEngine
 from workers.lora.replica_adapters import WorkerAdapters
 from workers.model.cpu_linear import PackedLinear
 from workers.model.fused_projections import FusedProjection
-from workers.model.loader import LoadedModel
 from workers.serving.async_engine import AsyncEngine
 from workers.serving.channels import ChannelRegistry, until_closed
-from workers.serving.engine_build import build_engine, vision_prompts
+from workers.serving.engine_build import BuiltEngine, build_engine, vision_prompts
 from workers.serving.request_processor import RequestProcessor, Timeouts
 from workers.serving.tokenization import Tokenization
 
 logger = logging.getLogger(__name__)
+
+SHARD_CHECK_TIMEOUT_S = 10
+
+
+def _end_replica(cause: BaseException) -> None:
+    """A split model lost a shard mid-step: end this replica's process now, so that its
+    requests' streams break and resume on another replica (an engine that merely stopped
+    would answer them with errors), and Serve replaces the replica with all its shards."""
+    logger.critical("a tensor-parallel shard was lost (%s: %s): ending this replica", type(cause).__name__, cause)
+    logging.shutdown()
+    os._exit(70)
 
 
 def _resident_bytes() -> int:
@@ -49,15 +59,16 @@ class ModelWorker:
     def __init__(self, model_config: dict) -> None:
         route_to_serve_log(logging.getLogger("workers"))  # the ready line, the packing probe, engine errors
         self.config = ModelConfig.model_validate(model_config)
-        models: list[LoadedModel] = []
+        built: list[BuiltEngine] = []
 
         def build() -> LLMEngine:
-            engine, loaded = build_engine(self.config)
-            models.append(loaded)
-            return engine
+            built.append(build_engine(self.config))
+            return built[0].engine
 
         self.engine = AsyncEngine.start_on_own_thread(build, asyncio.get_running_loop())
-        loaded = models[0]
+        loaded, self._shards = built[0].loaded, built[0].shards
+        if self._shards:
+            built[0].engine.runner.direct.on_lost = _end_replica
         modules = list(loaded.model.modules())
         self._packed_linear_layers = sum(isinstance(m, PackedLinear) for m in modules)
         self._fused_projections = sum(isinstance(m, FusedProjection) for m in modules)
@@ -159,13 +170,21 @@ class ModelWorker:
         kv_usage = engine.kv_blocks_used / engine.kv_blocks_total if engine.kv_blocks_total else 0.0
         return EngineLoad(engine.waiting, kv_usage, engine.queued_prompt_tokens).as_metrics()
 
-    def check_health(self) -> None:
-        """Serve calls this periodically; raising marks the replica unhealthy and replaces it."""
+    async def check_health(self) -> None:
+        """Serve calls this periodically; raising marks the replica unhealthy and replaces it
+        (a split model's replica with all its shards)."""
         if not self.engine.alive:
             raise RuntimeError(f"engine thread is not running: {self.engine.error!r}")
         stuck = self.engine.stuck_for()
         if stuck > self.config.engine.step_hang_timeout_s:
             raise RuntimeError(f"engine step running for {stuck:.0f} s: the engine loop is hung")
+        for rank, shard in enumerate(self._shards, start=1):
+            try:
+                failure = await asyncio.wait_for(shard.alive.remote(), SHARD_CHECK_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - dead, or not answering: either way the replica goes
+                failure = f"{type(exc).__name__}: {exc}"
+            if failure is not None:
+                raise RuntimeError(f"tensor-parallel shard {rank} is not running: {failure}")
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)

@@ -1,36 +1,67 @@
-"""Building a worker's engine from its model config: load the model, size the KV pool,
-find the end-of-sequence ids; and the prompt builder of a vision-language model."""
+"""Building a worker's engine from its model config: load the model (or, split over a
+tensor-parallel group, this replica's part, with the other shards started as Ray actors),
+size the KV pool, find the end-of-sequence ids; and the prompt builder of a
+vision-language model."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import logging
+import time
+from dataclasses import dataclass, field
 
 import torch
 
 from workers.contract.model_config import ModelConfig
 from workers.engine.kv_sizing import sized_engine_limits
 from workers.engine.llm_engine import LLMEngine
-from workers.model.attention import register_paged_attention
-from workers.model.loader import LoadedModel, load_model
-from workers.serving.cpu_budget import cpu_budget
-from workers.serving.host_memory import keep_freed_memory
+from workers.model.loader import LoadedModel
+from workers.parallel.tensor_group import TensorGroup, TensorRank, free_init_method
+from workers.serving.model_part import load_part
 from workers.text.vision_prompts import VisionPromptBuilder
 
+logger = logging.getLogger(__name__)
 
-def build_engine(config: ModelConfig) -> tuple[LLMEngine, LoadedModel]:
+
+@dataclass
+class BuiltEngine:
+    engine: LLMEngine
+    loaded: LoadedModel  # the whole model, or the driver's part of a split one
+    shards: list = field(default_factory=list)  # a split model's other shards (Ray actor handles)
+
+
+def build_engine(config: ModelConfig) -> BuiltEngine:
     """Load the model and build its engine. Call it on the thread that will run the engine
     (AsyncEngine.start_on_own_thread says why)."""
-    _set_torch_threads(config)
-    if config.device == "cpu":
-        keep_freed_memory()
-    attn = register_paged_attention()
-    cache_dir = Path(config.cache_dir) if config.cache_dir else None
-    loaded = load_model(config.source, config.device, config.dtype, cache_dir, attn_implementation=attn,
-                        pack_cpu_weights=config.pack_cpu_weights, fuse_projections=config.fuse_projections)
     device = torch.device(config.device)
+    world = config.parallel.tensor_parallel_size
+    if world == 1:
+        loaded = load_part(config, TensorRank(0, 1))
+        limits = sized_engine_limits(config, loaded.model, device)
+        return BuiltEngine(LLMEngine(loaded.model, eos_token_ids(loaded), limits, device, tokenizer=loaded.tokenizer),
+                           loaded)
+    from workers.serving.tensor_shards import (  # Ray, in the replica only
+        peak_rss_mib,
+        start_shards,
+    )
+
+    started = time.monotonic()
+    init_method = free_init_method(_node_address())
+    shards = start_shards(config, init_method)
+    loaded = load_part(config, TensorRank(0, world))
+    group = TensorGroup(TensorRank(0, world), init_method, device)  # waits for every shard to load and join
     limits = sized_engine_limits(config, loaded.model, device)
-    eos = eos_token_ids(loaded)
-    return LLMEngine(loaded.model, eos, limits, device, tokenizer=loaded.tokenizer), loaded
+    engine = LLMEngine(loaded.model, eos_token_ids(loaded), limits, device, tokenizer=loaded.tokenizer,
+                       tensor_group=group)
+    logger.info("%s split over %d shards, ready in %.1f s; the driver's peak RSS %.0f MiB", config.id, world,
+                time.monotonic() - started, peak_rss_mib())
+    return BuiltEngine(engine, loaded, shards)
+
+
+def _node_address() -> str:
+    """This node's address, where shard 0 hosts the group's rendezvous."""
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
 
 
 def vision_prompts(loaded: LoadedModel, config: ModelConfig) -> VisionPromptBuilder | None:
@@ -50,11 +81,3 @@ def eos_token_ids(loaded: LoadedModel) -> frozenset[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(v for v in value if isinstance(v, int))
     return frozenset(ids)
-
-
-def _set_torch_threads(config: ModelConfig) -> None:
-    # Ray sets OMP_NUM_THREADS=1 inside actors; on CPU that would halve throughput. The
-    # default is the CPUs the container may use (its CPU quota), not the node's cores.
-    if config.device == "cpu":
-        threads = config.engine.torch_threads or cpu_budget()
-        torch.set_num_threads(threads)

@@ -84,13 +84,13 @@ def test_the_worker_sets_torch_threads_from_the_budget_unless_configured(monkeyp
     import torch
 
     from workers.contract.model_config import ModelConfig
-    from workers.serving import engine_build
+    from workers.serving import model_part
 
-    monkeypatch.setattr(engine_build, "cpu_budget", lambda: 3)
+    monkeypatch.setattr(model_part, "cpu_budget", lambda: 3)
     config = ModelConfig(id="m", source="/models/m", device="cpu", engine={"torch_threads": configured})
     previous = torch.get_num_threads()
     try:
-        engine_build._set_torch_threads(config)
+        model_part.set_torch_threads(config)
         assert torch.get_num_threads() == expected
     finally:
         torch.set_num_threads(previous)

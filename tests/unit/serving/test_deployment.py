@@ -30,14 +30,14 @@ def _with_worker(model_dir, engine: dict, body):
 def test_worker_health_check_fails_on_a_hung_or_dead_engine(tiny_model_dir):
     async def body(worker):
         try:
-            worker.check_health()  # healthy
+            await worker.check_health()  # healthy
             worker.engine.stuck_for = lambda: 6.0
             with pytest.raises(RuntimeError, match="hung"):
-                worker.check_health()
+                await worker.check_health()
             worker.engine.stuck_for = lambda: 0.0
             worker.engine.error = RuntimeError("boom")
             with pytest.raises(RuntimeError, match="not running"):
-                worker.check_health()
+                await worker.check_health()
         finally:
             worker.engine.error = None
 

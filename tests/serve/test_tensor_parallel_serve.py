@@ -1,0 +1,101 @@
+"""A model split over two shards under Serve (workers/parallel/, parallel.tensor_parallel_size:
+2): each replica's shards sit in its placement group; the OpenAI client streams the same
+greedy text as the whole model gives; a shard killed mid-stream ends its replica, and the
+stream resumes on the other replica (or on Serve's replacement) with no request failed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+from ray import serve
+
+from serve_app.app import build_app
+from tests.support.serve_fixtures import (
+    TINY_MODEL_ID,
+    delete_app,
+    tiny_app_args,
+    wait_ready,
+)
+from tools.procfs import process_ids, read_text
+
+MESSAGES = [{"role": "user", "content": "Hello there"}]
+
+
+def split_args(model_dir, tensor_parallel_size: int, replicas: int) -> dict:
+    args = tiny_app_args(model_dir)
+    model = args["models"][0]
+    model["parallel"] = {"tensor_parallel_size": tensor_parallel_size}
+    # One CPU a replica, split over its shards: the placement-group path.
+    model["deployment"] = {**model["deployment"], "num_replicas": replicas, "ray_actor_options": {"num_cpus": 1}}
+    return args
+
+
+@pytest.fixture(scope="module")
+def apps(serve_instance, tiny_model_dir):
+    serve.run(build_app(split_args(tiny_model_dir, 2, 2)), name="split", route_prefix="/split", blocking=False)
+    serve.run(build_app(tiny_app_args(tiny_model_dir)), name="whole", route_prefix="/whole", blocking=False)
+    urls = {name: serve_instance.url(f"/{name}") for name in ("split", "whole")}
+    for url in urls.values():
+        wait_ready(url, timeout=240)
+    yield urls
+    delete_app("split")
+    delete_app("whole")
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=180, max_retries=0)
+
+
+def streamed_text(url: str, max_tokens: int, on_first=None) -> tuple[str, str | None]:
+    stream = client(url).chat.completions.create(model=TINY_MODEL_ID, messages=MESSAGES, max_tokens=max_tokens,
+                                                 temperature=0, stream=True, extra_body={"ignore_eos": True})
+    parts, finish = [], None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        if on_first is not None and parts:
+            on_first()
+            on_first = None
+        parts.append(chunk.choices[0].delta.content or "")
+        finish = chunk.choices[0].finish_reason or finish
+    return "".join(parts), finish
+
+
+def shard_pids() -> list[int]:
+    """The shard actors' processes (Ray titles them ray::TensorShard...)."""
+    return [pid for pid in process_ids() if read_text(f"/proc/{pid}/cmdline").startswith("ray::TensorShard")]
+
+
+def test_the_split_model_streams_the_whole_models_text(apps):
+    assert len(shard_pids()) == 2  # one shard beside each of the two replicas
+    want, _ = streamed_text(apps["whole"], 40)
+    got, finish = streamed_text(apps["split"], 40)
+    assert got == want and finish == "length"
+
+
+def resumed(url: str) -> float:
+    """The app's chatserve_requests_resumed_total (requests moved to another replica)."""
+    lines = httpx.get(url + "/metrics", timeout=30).text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("chatserve_requests_resumed_total"))
+
+
+def test_a_shard_killed_mid_stream_fails_no_request(apps):
+    want, _ = streamed_text(apps["whole"], 200)
+    before, resumes = shard_pids(), resumed(apps["split"])
+
+    def kill_shards() -> None:
+        for pid in before:
+            os.kill(pid, signal.SIGKILL)
+
+    got, finish = streamed_text(apps["split"], 200, on_first=kill_shards)
+    assert got == want and finish == "length"
+    assert resumed(apps["split"]) > resumes  # the kill landed mid-stream: the request moved
+    deadline = time.monotonic() + 120
+    while len(shard_pids()) < 2 or set(shard_pids()) & set(before):
+        assert time.monotonic() < deadline, "Serve did not replace the replicas whose shards died"
+        time.sleep(1)

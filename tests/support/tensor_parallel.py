@@ -1,0 +1,103 @@
+"""Tensor-parallel runs for tests: the same models and requests on one process, or split
+over a gloo group of spawned processes (rank 0 drives an engine, the others run
+workers/parallel/shard_loop.py), so their outputs can be compared."""
+
+from __future__ import annotations
+
+import copy
+import json
+import traceback
+
+import torch
+
+from tests.support.engines import make_engine, run_to_completion, tokens_by_choice
+from tests.support.tiny_models import build_tiny_llama, build_tokenizer
+from tests.unit.model.test_direct_forward import llama, qwen3_head_norms
+from tests.unit.model.test_model_families import prompts
+from workers.contract.sampling_params import GuidedDecoding, SamplingParams
+from workers.model.attention import register_paged_attention
+from workers.model.cpu_linear import pack_linear_layers
+from workers.model.fused_projections import fuse_sibling_projections
+from workers.parallel.shard_loop import ShardLoop
+from workers.parallel.tensor_group import TensorGroup, TensorRank
+from workers.parallel.tensor_split import split_model
+
+CPU = torch.device("cpu")
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+
+
+def _tokenizer_llama():
+    tokenizer = build_tokenizer()
+    return build_tiny_llama(len(tokenizer), seed=3), tokenizer
+
+
+# (name, model builder, step token budget, packed weights): chunked prefill where the budget is 5.
+CASES = [
+    ("llama", lambda: (llama(), None), 64, False),
+    ("llama-chunked-packed", lambda: (llama(), None), 5, True),
+    ("qwen3-chunked", lambda: (qwen3_head_norms(), None), 5, False),
+    ("llama-tokenizer-guided", _tokenizer_llama, 64, False),
+]
+
+
+def prepared_part(model, position: TensorRank, pack: bool):
+    """`model` fused, cut to `position`'s part, packed when asked, on the paged attention."""
+    model = copy.deepcopy(model)
+    fuse_sibling_projections(model)
+    split_model(model, position)
+    if pack:
+        pack_linear_layers(model, float32=True)
+    model.set_attn_implementation(register_paged_attention())
+    return model
+
+
+def workload(engine, tokenizer) -> dict:
+    """Greedy rows (one alone first, so a later one hits its prefix in the cache), a seeded
+    n=2 request, and a JSON-schema row when there is a tokenizer: every token and logprob."""
+    batch, max_tokens = prompts(), [12, 14, 9, 10]
+    out: dict = {"greedy": []}
+    for rows in ([0], [1, 2, 3]):
+        ids = [engine.add_request(batch[i], SamplingParams(max_tokens=max_tokens[i], temperature=0.0,
+                                                           ignore_eos=True, logprobs=0)) for i in rows]
+        events = run_to_completion(engine)
+        out["greedy"] += [[(e.token_id, e.logprob) for e in events[i]] for i in ids]
+    sampled = engine.add_request(batch[0][:9], SamplingParams(n=2, max_tokens=8, temperature=0.8, seed=7,
+                                                              ignore_eos=True))
+    out["n2"] = tokens_by_choice(run_to_completion(engine)[sampled])
+    if tokenizer is not None:
+        guided = SamplingParams(max_tokens=40, temperature=0.0, guided=GuidedDecoding("json_schema", json.dumps(SCHEMA)))
+        request = engine.add_request(tokenizer.encode("Name and age:"), guided)
+        out["guided"] = [e.token_id for e in run_to_completion(engine)[request]]
+    out["hit_tokens"] = engine.blocks.hit_tokens
+    return out
+
+
+def engine_for(model, budget: int, tokenizer=None, group: TensorGroup | None = None):
+    return make_engine(model, num_blocks=64, max_num_batched_tokens=budget, tokenizer=tokenizer, tensor_group=group)
+
+
+def reference(case) -> dict:
+    name, build, budget, pack = case
+    model, tokenizer = build()
+    return workload(engine_for(prepared_part(model, TensorRank(0, 1), pack), budget, tokenizer), tokenizer)
+
+
+def run_rank(rank: int, world: int, init_method: str, results) -> None:
+    """One spawned process: every case in turn, on one group."""
+    try:
+        torch.set_num_threads(1)
+        group = TensorGroup(TensorRank(rank, world), init_method, CPU, timeout_s=60)
+        for name, build, budget, pack in CASES:
+            model, tokenizer = build()
+            part = prepared_part(model, group.position, pack)
+            if group.is_driver:
+                engine = engine_for(part, budget, tokenizer, group)
+                results.put((name, workload(engine, tokenizer)))
+                engine.close()
+            else:
+                ShardLoop(part, group, CPU).run()
+        group.close()
+    except BaseException:  # noqa: BLE001 - the test reads what went wrong
+        results.put(("error", f"rank {rank}: {traceback.format_exc()}"))
+        raise

@@ -1,0 +1,91 @@
+"""Tensor parallelism (workers/parallel/): a model split over two gloo shards gives what
+the whole model gives on one process: the same greedy tokens with log-probabilities within
+float tolerance, through chunked prefill, prefix-cache hits, packed weights, a Qwen3
+model's head norms, a seeded n=2 request and a JSON-schema row; and the split refuses
+what it cannot divide."""
+
+from __future__ import annotations
+
+import queue
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.support.tensor_parallel import CASES, reference, run_rank
+from tests.unit.model.test_direct_forward import llama
+from workers.model.fused_projections import fuse_sibling_projections
+from workers.parallel.tensor_group import TensorRank, free_init_method
+from workers.parallel.tensor_split import TensorSplitError, split_error, split_model
+
+WORLD = 2
+
+
+def _split_outputs() -> dict[str, dict]:
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    init_method = free_init_method()
+    ranks = [context.Process(target=run_rank, args=(rank, WORLD, init_method, results)) for rank in range(WORLD)]
+    for process in ranks:
+        process.start()
+    outputs: dict[str, dict] = {}
+    try:
+        while len(outputs) < len(CASES):
+            name, value = results.get(timeout=240)
+            assert name != "error", value
+            outputs[name] = value
+    except queue.Empty:
+        pytest.fail(f"the split run gave {sorted(outputs)} of {len(CASES)} cases within the time")
+    finally:
+        for process in ranks:
+            process.join(timeout=60)
+            if process.is_alive():
+                process.kill()
+    assert all(process.exitcode == 0 for process in ranks)
+    return outputs
+
+
+def test_two_shards_give_the_whole_models_tokens_and_logprobs():
+    split = _split_outputs()
+    for case in CASES:
+        name = case[0]
+        want, got = reference(case), split[name]
+        assert want["hit_tokens"] > 0 and got["hit_tokens"] == want["hit_tokens"], name
+        for w, g in zip(want["greedy"], got["greedy"], strict=True):
+            assert [t for t, _ in g] == [t for t, _ in w], name
+            assert max(abs(a - b) for (_, a), (_, b) in zip(g, w)) < 1e-4, name
+        assert got["n2"] == want["n2"] and len(got["n2"]) == 2, name
+        assert got.get("guided") == want.get("guided"), name
+    guided = split["llama-tokenizer-guided"]["guided"]
+    assert guided, "the guided row produced tokens"
+
+
+def test_a_split_shard_holds_its_part():
+    model = llama()
+    fuse_sibling_projections(model)
+    whole_qkv = model.model.layers[0].self_attn.q_proj.fused.linear.weight.clone()
+    split_model(model, TensorRank(1, 2))
+    attn = model.model.layers[0].self_attn
+    head_dim = attn.head_dim  # 4 heads, 2 KV heads: rank 1 keeps q heads 2-3, KV head 1 of k and of v
+    qkv = attn.q_proj.fused.linear.weight
+    assert qkv.shape[0] == (2 + 1 + 1) * head_dim
+    assert torch.equal(qkv[: 2 * head_dim], whole_qkv[2 * head_dim : 4 * head_dim])
+    assert torch.equal(qkv[2 * head_dim : 3 * head_dim], whole_qkv[5 * head_dim : 6 * head_dim])
+    assert attn.o_proj.weight.shape[1] == 2 * head_dim
+    assert model.lm_head.weight.shape[0] == model.config.vocab_size // 2
+
+
+def test_what_the_split_cannot_divide_is_named():
+    model = llama()
+    fuse_sibling_projections(model)
+    assert "does not divide the model's 4 attention heads, 2 KV heads" in split_error(model, 3)
+    assert split_error(model, 2) is None
+    with pytest.raises(TensorSplitError, match="KV heads"):
+        split_model(model, TensorRank(0, 4))
+    unfused = llama()
+    assert "not fused" in split_error(unfused, 2)
+
+
+def test_the_vocabulary_splits_in_equal_parts_but_the_last():
+    assert [TensorRank(r, 2).vocab_range(301) for r in range(2)] == [(0, 151), (151, 301)]
+    assert [TensorRank(r, 4).vocab_range(10) for r in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 10)]

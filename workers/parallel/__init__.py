@@ -1,0 +1,1 @@
+"""Tensor parallelism: one model split over the devices (or CPU shares) of one worker replica."""

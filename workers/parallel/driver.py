@@ -1,0 +1,52 @@
+"""The driver's side of a tensor-parallel replica: each step goes to the other shards
+(the packed inputs and the KV block copies since the last step), then the driver runs
+its own part of the forward and gets the whole logits back."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from workers.model.attention import AttentionMetadata
+from workers.model.direct_forward import DirectForward
+from workers.parallel.step_message import StepMessage
+from workers.parallel.tensor_group import TensorGroup
+
+
+class ShardGroupLost(BaseException):
+    """A step of a split model failed: a shard died, or the shards no longer agree on where
+    they are. No later step can run, so this is not one request's failure: it escapes the
+    engine's per-request containment (a BaseException) and stops the engine."""
+
+
+class TensorParallelForward:
+    """Stands where the runner's DirectForward stands, on shard 0."""
+
+    def __init__(self, forward: DirectForward, group: TensorGroup) -> None:
+        self.forward = forward
+        self.group = group
+        self.vocab_size = forward.vocab_size
+        # Called before ShardGroupLost is raised: the worker replica ends its process there,
+        # so that its requests' streams break and resume on another replica.
+        self.on_lost: Callable[[BaseException], None] | None = None
+        self._copies: list[tuple[int, int]] = []
+
+    def record_copies(self, pairs: list[tuple[int, int]]) -> None:
+        """KV blocks the driver copied in its pool: every shard copies them in its own before the next step."""
+        self._copies.extend(pairs)
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, meta: AttentionMetadata,
+                 logits_to_keep: torch.Tensor) -> torch.Tensor:
+        copies, self._copies = self._copies, []
+        try:
+            self.group.send(StepMessage.of(input_ids, position_ids, meta, logits_to_keep, copies))
+            return self.forward(input_ids, position_ids, meta, logits_to_keep)
+        except Exception as exc:
+            if self.on_lost is not None:
+                self.on_lost(exc)
+            raise ShardGroupLost(f"a step of the split model failed: {type(exc).__name__}: {exc}") from exc
+
+    def close(self) -> None:
+        """Tell the shards to leave their loops (the replica is stopping)."""
+        self.group.send(None)
