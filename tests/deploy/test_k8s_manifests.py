@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from serve_app.config.app_config import parse_app_config
+from serve_app.config.placement import placement_problem
 from tests.support.paths import REPO_ROOT
 
 ROOT = REPO_ROOT
@@ -23,6 +24,7 @@ RAYSERVICE_CRD = CRD_DIR / "ray.io_rayservices.yaml"
 MANIFESTS = {
     "rayservice-cpu.yaml": "default.yaml",
     "rayservice-gpu.yaml": "gpu.yaml",
+    "rayservice-gpu-tp2.yaml": "gpu-tp2.yaml",
 }
 # What Ray Serve uses when a key is absent (ray.serve.schema.ServeDeploySchema); KubeRay's
 # Serve Service targets port 8000 of each pod, so these must hold for the k8s configs.
@@ -126,6 +128,34 @@ def test_gpu_manifest_requests_gpus_and_autoscales():
     assert group["minReplicas"] >= 1
     head = cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
     assert "nvidia.com/gpu" not in head.get("resources", {}).get("limits", {})
+
+
+def test_tensor_parallel_manifest_pods_each_hold_a_whole_replica():
+    """STRICT_PACK puts all of a replica's shards on one node: a GPU pod must have at least
+    as many GPUs (and CPUs) as the replica's placement-group bundles, or no replica is placed."""
+    cluster = manifest("rayservice-gpu-tp2.yaml")["spec"]["rayClusterConfig"]
+    args = yaml.safe_load(manifest("rayservice-gpu-tp2.yaml")["spec"]["serveConfigV2"])["applications"][0]["args"]
+    (model,) = parse_app_config(args).models
+    assert model.parallel.tensor_parallel_size == 2
+    options = model.worker_serve_options()
+    assert options["placement_group_strategy"] == "STRICT_PACK"
+    need = {key: sum(b.get(key, 0) for b in options["placement_group_bundles"]) for key in ("CPU", "GPU")}
+    assert need["GPU"] == 2
+    gpu_groups = [
+        g for g in cluster["workerGroupSpecs"]
+        if any("nvidia.com/gpu" in c["resources"]["limits"] for c in g["template"]["spec"]["containers"])
+    ]
+    assert gpu_groups
+    for group in gpu_groups:
+        (container,) = group["template"]["spec"]["containers"]
+        limits = container["resources"]["limits"]
+        node = {"GPU": float(limits["nvidia.com/gpu"]), "CPU": float(limits["cpu"])}
+        assert node["GPU"] >= need["GPU"] and node["CPU"] >= need["CPU"], group["groupName"]
+        assert container["resources"]["requests"]["nvidia.com/gpu"] == limits["nvidia.com/gpu"]
+        # Ray takes the pod's GPUs from the limit unless rayStartParams overrides it.
+        assert group["rayStartParams"].get("num-gpus", str(limits["nvidia.com/gpu"])) == str(limits["nvidia.com/gpu"])
+        assert placement_problem(model, [node]) is None  # the check the app runs at start
+        assert group["maxReplicas"] >= model.deployment.autoscaling_config.max_replicas
 
 
 def test_cpu_manifest_requests_no_gpu():
