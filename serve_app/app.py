@@ -14,6 +14,7 @@ from serve_app.ingress import ChatIngress
 from serve_app.lora.adapters import LoraRegistry
 from serve_app.transport.router import ROUTER_CLASS
 from workers.contract.model_config import ModelConfig
+from workers.contract.model_shape import local_split_problem
 from workers.serving.deployment import ModelWorker
 
 
@@ -32,9 +33,12 @@ def build_app(args: dict[str, Any]) -> Application:
 
 
 def check_placement(config: AppConfig, nodes: list[dict[str, float]]) -> None:
-    """Raise ConfigError when a model's split replica cannot fit the cluster (serve_app/config/placement.py)."""
+    """Raise ConfigError when a model's split cannot divide its local checkpoint, or its
+    replica cannot fit the cluster (serve_app/config/placement.py)."""
     for index, model in enumerate(config.models):
-        problem = placement_problem(model, nodes)
+        world = model.parallel.tensor_parallel_size
+        split = local_split_problem(model.source, world)
+        problem = f"parallel.tensor_parallel_size: {split}" if split else placement_problem(model, nodes)
         if problem is not None:
             raise ConfigError(f"invalid chatserve config: models.{index}.{problem}")
 

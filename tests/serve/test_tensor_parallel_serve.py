@@ -36,15 +36,13 @@ def split_args(model_dir, tensor_parallel_size: int, replicas: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def apps(serve_instance, tiny_model_dir):
+def apps(serve_instance, tiny_model_dir, tiny_app):
+    """The split app, and the session's app on the same model whole (`tiny_app`)."""
     serve.run(build_app(split_args(tiny_model_dir, 2, 2)), name="split", route_prefix="/split", blocking=False)
-    serve.run(build_app(tiny_app_args(tiny_model_dir)), name="whole", route_prefix="/whole", blocking=False)
-    urls = {name: serve_instance.url(f"/{name}") for name in ("split", "whole")}
-    for url in urls.values():
-        wait_ready(url, timeout=240)
-    yield urls
+    url = serve_instance.url("/split")
+    wait_ready(url, timeout=240)
+    yield {"split": url, "whole": tiny_app}
     delete_app("split")
-    delete_app("whole")
 
 
 def client(url: str) -> openai.OpenAI:

@@ -14,13 +14,20 @@ from tests.support.engines import make_engine, run_to_completion, tokens_by_choi
 from tests.support.tiny_models import build_tiny_llama, build_tokenizer
 from tests.unit.model.test_direct_forward import llama, qwen3_head_norms
 from tests.unit.model.test_model_families import prompts
+from workers.contract.model_shape import SplitShape, split_problem
 from workers.contract.sampling_params import GuidedDecoding, SamplingParams
 from workers.model.attention import register_paged_attention
 from workers.model.cpu_linear import pack_linear_layers
 from workers.model.fused_projections import fuse_sibling_projections
 from workers.parallel.shard_loop import ShardLoop
 from workers.parallel.tensor_group import TensorGroup, TensorRank
-from workers.parallel.tensor_split import split_model
+from workers.parallel.tensor_split import (
+    TensorSplitError,
+    apply_cut,
+    cut_for,
+    set_parameter,
+    sync_module_sizes,
+)
 
 CPU = torch.device("cpu")
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -41,11 +48,31 @@ CASES = [
 ]
 
 
+def split_model(model: torch.nn.Module, position: TensorRank) -> None:
+    """Cut an unfused, unpacked `model` in memory down to `position`'s part, in place: the
+    plan sliced_load.py reads a checkpoint by, on a model the tests build."""
+    if position.world == 1:
+        return
+    reason = split_problem(model.config, position.world, [type(model).__name__])
+    if reason is not None:
+        raise TensorSplitError(reason)
+    shape = SplitShape.of(model.config)
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    for name, param in list(model.named_parameters(remove_duplicate=False)):
+        part = apply_cut(param.detach(), cut_for(name, shape, position))
+        if part is not param:
+            set_parameter(model, name, part.clone())
+    if tied:
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    sync_module_sizes(model)
+
+
 def prepared_part(model, position: TensorRank, pack: bool):
-    """`model` fused, cut to `position`'s part, packed when asked, on the paged attention."""
+    """`model` cut to `position`'s part, fused, packed when asked, on the paged attention
+    (the order the worker loads a part in: workers/serving/model_part.py)."""
     model = copy.deepcopy(model)
-    fuse_sibling_projections(model)
     split_model(model, position)
+    fuse_sibling_projections(model)
     if pack:
         pack_linear_layers(model, float32=True)
     model.set_attn_implementation(register_paged_attention())

@@ -3,9 +3,11 @@ the whole model on one process (workers/parallel/):
 
     python -m tools.bench.tensor_parallel --batch 1 16 --steps 8
 
-Each setting runs in fresh processes: TP=1 with --threads torch threads, TP=2 with
---threads / 2 per shard (gloo over loopback). Prints the engine's decode step time, the
-time inside the group's collectives on the driver, and each process's peak RSS.
+The model is written once to --dir (about 4.4 GB of safetensors). Each setting runs in
+fresh processes: TP=1 loads the model whole with --threads torch threads; TP=2 loads each
+shard's slices (workers/parallel/sliced_load.py) with --threads / 2 each, gloo over
+loopback. Prints the engine's decode step time, the time inside the group's collectives on
+the driver (waits for the other shard included), and each process's peak RSS.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import resource
 import time
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
@@ -23,33 +26,36 @@ SHAPE = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hid
              num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048)
 
 
-def _model() -> LlamaForCausalLM:
+def write_model(directory: Path) -> Path:
+    """The random model as safetensors in `directory` (kept: later runs reuse it)."""
+    if (directory / "config.json").is_file():
+        return directory
     torch.manual_seed(0)
     with torch.device("meta"):
-        model = LlamaForCausalLM(LlamaConfig(**SHAPE))
+        model = LlamaForCausalLM(LlamaConfig(**SHAPE, architectures=["LlamaForCausalLM"]))
     model = model.to_empty(device="cpu")
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
-    return model.eval()
+    model.save_pretrained(directory)
+    return directory
 
 
-def _run(rank: int, world: int, threads: int, init_method: str, batches: list[int], steps: int, out) -> None:
+def _run(rank: int, world: int, threads: int, init_method: str, directory: Path, batches: list[int], steps: int,
+         out) -> None:
     from workers.contract.sampling_params import SamplingParams
     from workers.core.limits import EngineLimits
     from workers.engine.llm_engine import LLMEngine
     from workers.model.attention import register_paged_attention
     from workers.model.fused_projections import fuse_sibling_projections
     from workers.parallel.shard_loop import ShardLoop
+    from workers.parallel.sliced_load import load_split_model
     from workers.parallel.tensor_group import TensorGroup, TensorRank
-    from workers.parallel.tensor_split import split_model
 
     torch.set_num_threads(threads)
-    model = _model()
-    fuse_sibling_projections(model)
     position = TensorRank(rank, world)
-    split_model(model, position)
-    model.set_attn_implementation(register_paged_attention())
+    model = load_split_model(directory, position, torch.float32, "cpu", register_paged_attention())
+    fuse_sibling_projections(model)
     cpu = torch.device("cpu")
     group = TensorGroup(position, init_method, cpu) if world > 1 else None
     if group is not None and not group.is_driver:
@@ -87,13 +93,13 @@ def _run(rank: int, world: int, threads: int, init_method: str, batches: list[in
     out.put((rank, results, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
 
 
-def run(world: int, threads: int, batches: list[int], steps: int) -> list:
+def run(world: int, threads: int, directory: Path, batches: list[int], steps: int) -> list:
     from workers.parallel.tensor_group import free_init_method
 
     context = mp.get_context("spawn")
     out = context.Queue()
     init_method = free_init_method()
-    procs = [context.Process(target=_run, args=(r, world, threads, init_method, batches, steps, out))
+    procs = [context.Process(target=_run, args=(r, world, threads, init_method, directory, batches, steps, out))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -108,9 +114,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2, help="torch threads in all (split over the shards)")
+    parser.add_argument("--dir", type=Path, default=Path("bench-results/tinyllama-shape-random"))
     args = parser.parse_args()
+    directory = write_model(args.dir)
     for world in (1, 2):
-        reports = run(world, max(1, args.threads // world), args.batch, args.steps)
+        reports = run(world, max(1, args.threads // world), directory, args.batch, args.steps)
         timings = reports[0][1]
         rss = ", ".join(f"{r[2]:.0f}" for r in reports)
         for batch, (step_ms, collective_ms) in timings.items():

@@ -1,44 +1,62 @@
 """Loading a worker's model, or one tensor-parallel shard's part of it, on the calling
-thread's torch threads: fused, split (workers/parallel/tensor_split.py), then packed
-(packing is per part)."""
+thread's torch threads."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from workers.contract.model_config import ModelConfig
 from workers.model.attention import register_paged_attention
 from workers.model.cpu_linear import pack_linear_layers
-from workers.model.loader import LoadedModel, load_model
+from workers.model.fused_projections import fuse_sibling_projections
+from workers.model.loader import (
+    LoadedModel,
+    load_model,
+    prepare_model_dir,
+    resolve_dtype,
+)
+from workers.parallel.sliced_load import load_split_model
 from workers.parallel.tensor_group import TensorRank
-from workers.parallel.tensor_split import TensorSplitError, split_model
+from workers.parallel.tensor_split import TensorSplitError
 from workers.serving.cpu_budget import cpu_budget
 from workers.serving.host_memory import keep_freed_memory
 
 
 def load_part(config: ModelConfig, position: TensorRank) -> LoadedModel:
-    """The model, or `position`'s part of it, on this thread's torch threads: fused, split,
-    then packed (packing is per part). A model the split cannot divide is a ValueError
-    naming the config field."""
+    """The model, or `position`'s part of it read slice by slice from the checkpoint
+    (workers/parallel/sliced_load.py), on this thread's torch threads; a part is fused and
+    packed after it is cut. A model the split cannot divide is a ValueError naming the
+    config field."""
     set_torch_threads(config)
     if config.device == "cpu":
         keep_freed_memory()
     attn = register_paged_attention()
     cache_dir = Path(config.cache_dir) if config.cache_dir else None
-    split = position.world > 1
-    loaded = load_model(config.source, config.device, config.dtype, cache_dir, attn_implementation=attn,
-                        pack_cpu_weights=config.pack_cpu_weights and not split,
-                        fuse_projections=config.fuse_projections or split)
-    if split:
-        try:
-            split_model(loaded.model, position)
-        except TensorSplitError as exc:
-            raise ValueError(f"model {config.id!r}: parallel.tensor_parallel_size: {exc}") from None
-        if config.pack_cpu_weights:
-            pack_linear_layers(loaded.model)
-    return loaded
+    if position.world == 1:
+        return load_model(config.source, config.device, config.dtype, cache_dir, attn_implementation=attn,
+                          pack_cpu_weights=config.pack_cpu_weights, fuse_projections=config.fuse_projections)
+    path = prepare_model_dir(config.source, cache_dir)
+    try:
+        model = load_split_model(path, position, _split_dtype(config, path), config.device, attn)
+    except TensorSplitError as exc:
+        raise ValueError(f"model {config.id!r}: parallel.tensor_parallel_size: {exc}") from None
+    if (path / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    fuse_sibling_projections(model)  # the direct forward runs fused siblings
+    if config.pack_cpu_weights:
+        pack_linear_layers(model)
+    return LoadedModel(model=model, tokenizer=AutoTokenizer.from_pretrained(path), path=path)
+
+
+def _split_dtype(config: ModelConfig, path: Path) -> torch.dtype:
+    dtype = resolve_dtype(config.dtype, config.device)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    declared = AutoConfig.from_pretrained(path).dtype  # `auto` on cuda: the checkpoint's own
+    return declared if isinstance(declared, torch.dtype) else torch.float32
 
 
 def set_torch_threads(config: ModelConfig) -> None:

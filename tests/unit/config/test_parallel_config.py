@@ -5,6 +5,8 @@ its dotted path."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from serve_app.app import check_placement
@@ -61,3 +63,15 @@ def test_a_tensor_group_no_node_holds_is_named_at_start():
     assert placement_problem(spread, two_nodes) is None  # four GPUs over the two nodes
     check_placement(config, [{"CPU": 32, "GPU": 8}])
     check_placement(config, [])  # no cluster to ask (not connected): Serve decides
+
+
+def test_a_local_checkpoint_the_split_cannot_divide_is_named_at_start(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "num_attention_heads": 9, "num_key_value_heads": 3,
+        "hidden_size": 576, "intermediate_size": 1536, "vocab_size": 49152}))
+    config = parse_app_config({"models": [{"id": "m", "source": str(tmp_path), "parallel": {"tensor_parallel_size": 2}}]})
+    with pytest.raises(ConfigError, match=r"models\.0\.parallel\.tensor_parallel_size: tensor_parallel_size 2 "
+                       r"does not divide the model's 9 attention heads, 3 KV heads"):
+        check_placement(config, [])
+    three = parse_app_config({"models": [{"id": "m", "source": str(tmp_path), "parallel": {"tensor_parallel_size": 3}}]})
+    check_placement(three, [])  # 9 heads, 3 KV heads, 1536: all divide by 3

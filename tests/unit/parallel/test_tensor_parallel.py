@@ -6,17 +6,20 @@ what it cannot divide."""
 
 from __future__ import annotations
 
+import copy
 import queue
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.support.tensor_parallel import CASES, reference, run_rank
-from tests.unit.model.test_direct_forward import llama
-from workers.model.fused_projections import fuse_sibling_projections
+from tests.support.tensor_parallel import CASES, reference, run_rank, split_model
+from tests.unit.model.test_direct_forward import llama, qwen3_head_norms
+from tests.unit.model.test_model_families import gemma2
+from workers.contract.model_shape import split_problem
+from workers.parallel.sliced_load import load_split_model
 from workers.parallel.tensor_group import TensorRank, free_init_method
-from workers.parallel.tensor_split import TensorSplitError, split_error, split_model
+from workers.parallel.tensor_split import TensorSplitError
 
 WORLD = 2
 
@@ -62,28 +65,41 @@ def test_two_shards_give_the_whole_models_tokens_and_logprobs():
 
 def test_a_split_shard_holds_its_part():
     model = llama()
-    fuse_sibling_projections(model)
-    whole_qkv = model.model.layers[0].self_attn.q_proj.fused.linear.weight.clone()
-    split_model(model, TensorRank(1, 2))
     attn = model.model.layers[0].self_attn
-    head_dim = attn.head_dim  # 4 heads, 2 KV heads: rank 1 keeps q heads 2-3, KV head 1 of k and of v
-    qkv = attn.q_proj.fused.linear.weight
-    assert qkv.shape[0] == (2 + 1 + 1) * head_dim
-    assert torch.equal(qkv[: 2 * head_dim], whole_qkv[2 * head_dim : 4 * head_dim])
-    assert torch.equal(qkv[2 * head_dim : 3 * head_dim], whole_qkv[5 * head_dim : 6 * head_dim])
-    assert attn.o_proj.weight.shape[1] == 2 * head_dim
+    whole_k = attn.k_proj.weight.detach().clone()
+    whole_o = attn.o_proj.weight.detach().clone()
+    split_model(model, TensorRank(1, 2))
+    head_dim = attn.head_dim  # 4 heads, 2 KV heads: rank 1 keeps q heads 2-3 and KV head 1
+    assert attn.q_proj.weight.shape[0] == 2 * head_dim and attn.q_proj.out_features == 2 * head_dim
+    assert torch.equal(attn.k_proj.weight, whole_k[head_dim : 2 * head_dim])
+    assert torch.equal(attn.o_proj.weight, whole_o[:, 2 * head_dim : 4 * head_dim])
     assert model.lm_head.weight.shape[0] == model.config.vocab_size // 2
 
 
 def test_what_the_split_cannot_divide_is_named():
     model = llama()
-    fuse_sibling_projections(model)
-    assert "does not divide the model's 4 attention heads, 2 KV heads" in split_error(model, 3)
-    assert split_error(model, 2) is None
+    kinds = ["LlamaForCausalLM"]
+    assert "does not divide the model's 4 attention heads, 2 KV heads" in split_problem(model.config, 3, kinds)
+    assert split_problem(model.config, 2, kinds) is None
     with pytest.raises(TensorSplitError, match="KV heads"):
         split_model(model, TensorRank(0, 4))
-    unfused = llama()
-    assert "not fused" in split_error(unfused, 2)
+    assert "families only" in split_problem(gemma2().config, 2)
+
+
+def test_a_shard_reads_only_its_slices_of_a_checkpoint(tmp_path):
+    """sliced_load.py gives the same part as cutting the whole model in memory."""
+    model = qwen3_head_norms()
+    model.save_pretrained(tmp_path)
+    for rank in range(2):
+        position = TensorRank(rank, 2)
+        cut = copy.deepcopy(model)
+        split_model(cut, position)
+        read = load_split_model(tmp_path, position, torch.float32, "cpu")
+        want, got = dict(cut.state_dict()), dict(read.state_dict())
+        assert want.keys() == got.keys()
+        for name in want:
+            assert torch.equal(want[name], got[name]), name
+        assert read.lm_head.out_features == model.config.vocab_size // 2
 
 
 def test_the_vocabulary_splits_in_equal_parts_but_the_last():

@@ -1,0 +1,88 @@
+"""One tensor-parallel shard's part of a checkpoint, read from its safetensors files slice
+by slice: the model is built on the meta device and each parameter is filled with only the
+rows or columns this rank keeps (tensor_split.py), so a shard's host memory holds its part
+of the weights, never the whole model."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from workers.contract.model_shape import SplitShape, split_problem
+from workers.parallel.tensor_group import TensorRank
+from workers.parallel.tensor_split import (
+    TensorSplitError,
+    cut_for,
+    set_parameter,
+    sync_module_sizes,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def load_split_model(path: Path, position: TensorRank, dtype: torch.dtype, device: str,
+                     attn_implementation: str | None = None) -> nn.Module:
+    """`position`'s part of the causal LM in `path` (safetensors files), on `device`, unfused
+    and unpacked; raises TensorSplitError when the model cannot be split so."""
+    config = AutoConfig.from_pretrained(path)
+    reason = split_problem(config, position.world)
+    if reason is not None:
+        raise TensorSplitError(reason)
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise TensorSplitError(f"{path} has no safetensors files to read a shard's slices from")
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
+    _fill(model, files, SplitShape.of(config), position, dtype, device)
+    _rebuild_buffers(model, device)
+    return model.eval()
+
+
+def _fill(model: nn.Module, files: list[Path], shape: SplitShape, position: TensorRank, dtype: torch.dtype,
+          device: str) -> None:
+    expected = dict(model.named_parameters())
+    filled: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as checkpoint:
+            for name in checkpoint.keys():
+                if name not in expected:
+                    continue  # e.g. a checkpoint's unused rotary buffers
+                value = _read(checkpoint.get_slice(name), cut_for(name, shape, position))
+                set_parameter(model, name, value.to(device=device, dtype=dtype))
+                filled.add(name)
+    if model.config.tie_word_embeddings:
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+        filled.add("lm_head.weight")
+    missing = sorted(set(expected) - filled)
+    if missing:
+        raise TensorSplitError(f"the checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+    sync_module_sizes(model)
+
+
+def _read(tensor_slice, cut) -> torch.Tensor:
+    """The cut of one checkpoint tensor, read without the rest."""
+    if cut is None:
+        return tensor_slice[:]
+    rows = tensor_slice.get_shape()
+    if cut.zero:
+        return torch.zeros(rows, dtype=tensor_slice[:1].dtype)
+    if cut.dim == 0:
+        return tensor_slice[cut.start : cut.end]
+    return tensor_slice[:, cut.start : cut.end]
+
+
+def _rebuild_buffers(model: nn.Module, device: str) -> None:
+    """Buffers the checkpoint does not hold (the rotary frequencies) are computed at
+    construction; on the meta device they are empty, so their module is built again."""
+    body = model.model
+    rotary = body.rotary_emb
+    body.rotary_emb = type(rotary)(config=model.config).to(device)
+    leftover = [name for name, buffer in model.named_buffers() if buffer.is_meta]
+    if leftover:
+        raise TensorSplitError(f"buffers left unset after loading a shard: {leftover[:3]}")
