@@ -36,9 +36,10 @@ def check_placement(config: AppConfig, nodes: list[dict[str, float]]) -> None:
     """Raise ConfigError when a model's split cannot divide its local checkpoint, or its
     replica cannot fit the cluster (serve_app/config/placement.py)."""
     for index, model in enumerate(config.models):
-        world = model.parallel.tensor_parallel_size
-        split = local_split_problem(model.source, world)
-        problem = f"parallel.tensor_parallel_size: {split}" if split else placement_problem(model, nodes)
+        tp, stages = model.parallel.tensor_parallel_size, model.parallel.pipeline_parallel_size
+        split = local_split_problem(model.source, tp, stages)
+        field = "tensor_parallel_size" if tp > 1 else "pipeline_parallel_size"
+        problem = f"parallel.{field}: {split}" if split else placement_problem(model, nodes)
         if problem is not None:
             raise ConfigError(f"invalid chatserve config: models.{index}.{problem}")
 

@@ -1,7 +1,8 @@
 """A model split over two shards under Serve (workers/parallel/, parallel.tensor_parallel_size:
-2): each replica's shards sit in its placement group; the OpenAI client streams the same
-greedy text as the whole model gives; a shard killed mid-stream ends its replica, and the
-stream resumes on the other replica (or on Serve's replacement) with no request failed."""
+2, or pipeline_parallel_size: 2): each replica's shards sit in its placement group; the
+OpenAI client streams the same greedy text as the whole model gives; a shard killed
+mid-stream ends its replica, and the stream resumes on the other replica (or on Serve's
+replacement) with no request failed."""
 
 from __future__ import annotations
 
@@ -26,10 +27,10 @@ from tools.procfs import process_ids, read_text
 MESSAGES = [{"role": "user", "content": "Hello there"}]
 
 
-def split_args(model_dir, tensor_parallel_size: int, replicas: int) -> dict:
+def split_args(model_dir, tensor_parallel_size: int, replicas: int, stages: int = 1) -> dict:
     args = tiny_app_args(model_dir)
     model = args["models"][0]
-    model["parallel"] = {"tensor_parallel_size": tensor_parallel_size}
+    model["parallel"] = {"tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": stages}
     # One CPU a replica, split over its shards: the placement-group path.
     model["deployment"] = {**model["deployment"], "num_replicas": replicas, "ray_actor_options": {"num_cpus": 1}}
     return args
@@ -80,6 +81,19 @@ def resumed(url: str) -> float:
     """The app's chatserve_requests_resumed_total (requests moved to another replica)."""
     lines = httpx.get(url + "/metrics", timeout=30).text.splitlines()
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("chatserve_requests_resumed_total"))
+
+
+def test_a_model_in_two_pipeline_stages_streams_the_whole_models_text(serve_instance, tiny_model_dir, tiny_app):
+    serve.run(build_app(split_args(tiny_model_dir, 1, 1, stages=2)), name="stages", route_prefix="/stages",
+              blocking=False)
+    url = serve_instance.url("/stages")
+    try:
+        wait_ready(url, timeout=240)
+        want, _ = streamed_text(tiny_app, 40)
+        got, finish = streamed_text(url, 40)
+        assert got == want and finish == "length"
+    finally:
+        delete_app("stages")
 
 
 def test_a_shard_killed_mid_stream_fails_no_request(apps):

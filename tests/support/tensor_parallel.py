@@ -9,16 +9,18 @@ import json
 import traceback
 
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.support.engines import make_engine, run_to_completion, tokens_by_choice
 from tests.support.tiny_models import build_tiny_llama, build_tokenizer
-from tests.unit.model.test_direct_forward import llama, qwen3_head_norms
-from tests.unit.model.test_model_families import prompts
+from tests.unit.model.test_direct_forward import _with_vectors, llama, qwen3_head_norms
+from tests.unit.model.test_model_families import SHAPE, prompts
 from workers.contract.model_shape import SplitShape, split_problem
 from workers.contract.sampling_params import GuidedDecoding, SamplingParams
 from workers.model.attention import register_paged_attention
 from workers.model.cpu_linear import pack_linear_layers
 from workers.model.fused_projections import fuse_sibling_projections
+from workers.parallel.pipeline import StageLayers
 from workers.parallel.shard_loop import ShardLoop
 from workers.parallel.tensor_group import TensorGroup, TensorRank
 from workers.parallel.tensor_split import (
@@ -39,12 +41,22 @@ def _tokenizer_llama():
     return build_tiny_llama(len(tokenizer), seed=3), tokenizer
 
 
+def _three_layer_llama():
+    return _with_vectors(LlamaForCausalLM(LlamaConfig(**{**SHAPE, "num_hidden_layers": 3}))), None
+
+
 # (name, model builder, step token budget, packed weights): chunked prefill where the budget is 5.
 CASES = [
     ("llama", lambda: (llama(), None), 64, False),
     ("llama-chunked-packed", lambda: (llama(), None), 5, True),
     ("qwen3-chunked", lambda: (qwen3_head_norms(), None), 5, False),
     ("llama-tokenizer-guided", _tokenizer_llama, 64, False),
+]
+# Pipeline stages: three layers over two stages (two and one), and Qwen3.
+PIPELINE_CASES = [
+    ("pp-llama-3-layers-chunked-packed", _three_layer_llama, 5, True),
+    ("pp-qwen3", lambda: (qwen3_head_norms(), None), 64, False),
+    ("pp-llama-tokenizer-guided", _tokenizer_llama, 64, False),
 ]
 
 
@@ -100,8 +112,10 @@ def workload(engine, tokenizer) -> dict:
     return out
 
 
-def engine_for(model, budget: int, tokenizer=None, group: TensorGroup | None = None):
-    return make_engine(model, num_blocks=64, max_num_batched_tokens=budget, tokenizer=tokenizer, tensor_group=group)
+def engine_for(model, budget: int, tokenizer=None, group: TensorGroup | None = None,
+               stage: StageLayers | None = None):
+    return make_engine(model, num_blocks=64, max_num_batched_tokens=budget, tokenizer=tokenizer, tensor_group=group,
+                       stage=stage)
 
 
 def reference(case) -> dict:
@@ -110,20 +124,22 @@ def reference(case) -> dict:
     return workload(engine_for(prepared_part(model, TensorRank(0, 1), pack), budget, tokenizer), tokenizer)
 
 
-def run_rank(rank: int, world: int, init_method: str, results) -> None:
-    """One spawned process: every case in turn, on one group."""
+def run_rank(rank: int, world: int, init_method: str, results, pipeline: bool = False) -> None:
+    """One spawned process: every case in turn, on one group; split by tensors, or by
+    layers into `world` pipeline stages."""
     try:
         torch.set_num_threads(1)
         group = TensorGroup(TensorRank(rank, world), init_method, CPU, timeout_s=60)
-        for name, build, budget, pack in CASES:
+        for name, build, budget, pack in PIPELINE_CASES if pipeline else CASES:
             model, tokenizer = build()
-            part = prepared_part(model, group.position, pack)
+            stage = StageLayers.of(rank, world, model.config.num_hidden_layers) if pipeline else None
+            part = prepared_part(model, TensorRank(0, 1) if pipeline else group.position, pack)
             if group.is_driver:
-                engine = engine_for(part, budget, tokenizer, group)
+                engine = engine_for(part, budget, tokenizer, group, stage)
                 results.put((name, workload(engine, tokenizer)))
                 engine.close()
             else:
-                ShardLoop(part, group, CPU).run()
+                ShardLoop(part, group, CPU, stage).run()
         group.close()
     except BaseException:  # noqa: BLE001 - the test reads what went wrong
         results.put(("error", f"rank {rank}: {traceback.format_exc()}"))

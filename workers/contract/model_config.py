@@ -168,16 +168,17 @@ class WorkerDeploymentConfig(DeploymentConfig):
 
 class ParallelConfig(_Strict):
     """How one worker replica splits its model (workers/parallel/): tensor parallel, the
-    Megatron way, over `tensor_parallel_size` shards, each a Ray actor in the replica's
-    placement group (the replica itself is shard 0). On cpu the replica's
-    `ray_actor_options.num_cpus` is split evenly over its shards; on cuda each shard takes
-    one GPU."""
+    Megatron way, over `tensor_parallel_size` shards, or pipeline parallel, its layers in
+    `pipeline_parallel_size` stages; each shard a Ray actor in the replica's placement group
+    (the replica itself is shard 0). On cpu the replica's `ray_actor_options.num_cpus` is
+    split evenly over its shards; on cuda each shard takes one GPU."""
 
     tensor_parallel_size: int = Field(
         1, ge=1, le=64, description="shards one replica splits the model's heads, MLP and vocabulary over (it must "
         "divide the attention heads, KV heads and intermediate size; Llama, Mistral, Qwen2 and Qwen3 models)")
     pipeline_parallel_size: int = Field(
-        1, ge=1, le=1, description="layer stages per replica; only 1: pipeline parallelism is not built yet")
+        1, ge=1, le=64, description="layer stages one replica splits the model into (one step in the pipeline at "
+        "a time: room for a larger model, not speed; not with tensor_parallel_size > 1 yet)")
     placement_group_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
         "STRICT_PACK", description="how Ray places the shards' bundles: STRICT_PACK keeps a tensor group on one node")
 
@@ -289,10 +290,13 @@ class ModelConfig(_Strict):
         return self
 
     def _check_parallel(self, gpus: float) -> None:
-        tp = self.parallel.tensor_parallel_size
-        if tp == 1:
+        tp, stages = self.parallel.tensor_parallel_size, self.parallel.pipeline_parallel_size
+        if tp * stages == 1:
             return
-        where = "parallel.tensor_parallel_size"
+        where = "parallel.tensor_parallel_size" if tp > 1 else "parallel.pipeline_parallel_size"
+        if tp > 1 and stages > 1:
+            raise ValueError("parallel.pipeline_parallel_size: tensor and pipeline parallelism together are not "
+                             "built yet; set one of tensor_parallel_size and pipeline_parallel_size to 1")
         if self.lora is not None:
             raise ValueError(f"{where}: LoRA adapters on a split model are not built yet; unset lora or use 1")
         if not self.engine.direct_forward:
@@ -306,16 +310,16 @@ class ModelConfig(_Strict):
         """Serve's options for the worker deployment: one placement-group bundle per shard
         when the model is split (the replica's actor takes the first)."""
         options = self.deployment.serve_options()
-        tp = self.parallel.tensor_parallel_size
-        if tp == 1:
+        shards = self.parallel.tensor_parallel_size * self.parallel.pipeline_parallel_size
+        if shards == 1:
             return options
         actor = options["ray_actor_options"]
-        bundle = {"CPU": actor.get("num_cpus", 1) / tp}
+        bundle = {"CPU": actor.get("num_cpus", 1) / shards}
         if self.device == "cuda":
             bundle["GPU"] = 1
         actor["num_cpus"] = bundle["CPU"]
         if not any(bundle.values()):
             return options  # nothing reserved (num_cpus 0 on cpu): the shards are plain actors
-        options["placement_group_bundles"] = [dict(bundle) for _ in range(tp)]
+        options["placement_group_bundles"] = [dict(bundle) for _ in range(shards)]
         options["placement_group_strategy"] = self.parallel.placement_group_strategy
         return options

@@ -53,14 +53,19 @@ def split_problem(config: Any, world: int, kinds: list[str] | None = None) -> st
     return None
 
 
-def local_split_problem(source: str, world: int) -> str | None:
-    """`split_problem` for a transformers directory on this machine; None when `source` is
-    not one (a GGUF file or the built-in model: the worker checks it when it loads it)."""
+def local_split_problem(source: str, world: int, stages: int = 1) -> str | None:
+    """`split_problem` for a transformers directory on this machine (split over `world`
+    tensor shards, or `stages` pipeline stages); None when `source` is not one (a GGUF file
+    or the built-in model: the worker checks it when it loads it)."""
     config_file = Path(source) / "config.json"
-    if world == 1 or not config_file.is_file():
+    if world * stages == 1 or not config_file.is_file():
         return None
     try:
         config = json.loads(config_file.read_text())
     except (OSError, ValueError):
         return None
-    return split_problem(config, world)
+    problem = split_problem(config, world)
+    layers = config.get("num_hidden_layers") or 0
+    if problem is None and stages > 1 and stages > layers:
+        problem = f"pipeline_parallel_size {stages} is more than the model's {layers} layers"
+    return problem

@@ -45,6 +45,7 @@ from workers.engine.step_recovery import StepRecovery
 from workers.lora.manager import LoraManager
 from workers.model.cuda_graphs import DecodeGraphs
 from workers.model.kv_cache import PagedKVCache
+from workers.parallel.pipeline import StageLayers
 from workers.parallel.shard_loop import KVPlan
 from workers.parallel.tensor_group import TensorGroup
 from workers.sampling.guided import GuideState
@@ -61,18 +62,21 @@ class LLMEngine:
         device: torch.device,
         tokenizer=None,
         tensor_group: TensorGroup | None = None,
+        stage: StageLayers | None = None,
     ) -> None:
         """`tokenizer` (a fast HF tokenizer) enables guided decoding; without one, a guided
         request is refused. `tensor_group`: `model` is this driver's part of a model split
-        over that group (workers/parallel/); the other shards mirror its KV pool and run
-        each step it sends them."""
+        over that group (workers/parallel/): by tensors, or by layers when `stage` (the
+        first pipeline stage) is given; the other shards mirror its KV pool and run each
+        step it sends them."""
         self.limits = limits
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.tensor_group = tensor_group
         # A split model's output head holds only this shard's rows of the vocabulary.
         self.vocab_size = model.config.vocab_size if tensor_group else model.get_output_embeddings().weight.shape[0]
-        shape, num_blocks = kv_pool(model, limits, tensor_group.world if tensor_group else 1)
+        world = tensor_group.world if tensor_group and stage is None else 1
+        shape, num_blocks = kv_pool(model, limits, world, stage)
         if tensor_group is not None:
             tensor_group.send(KVPlan(num_blocks, limits.block_size))
         path = decode_path(device, limits, split=tensor_group is not None)
@@ -86,7 +90,7 @@ class LLMEngine:
             self.blocks, self.lora,
         )
         self.runner = model_runner(model, self.kv_cache, device, path, limits, self.vocab_size, self.lora,
-                                   tensor_group)
+                                   tensor_group, stage)
         self.sampler = Sampler()
         self.guided = guided_decoder(tokenizer, self.vocab_size, eos_token_ids)
         self._ids = itertools.count()

@@ -15,7 +15,8 @@ from workers.model.direct_forward import DirectForward, direct_forward_for
 from workers.model.kv_cache import KVCacheShape, PagedKVCache
 from workers.model.runner import ModelRunner
 from workers.model.triton_attention import triton_available
-from workers.parallel.driver import TensorParallelForward
+from workers.parallel.driver import DriverForward
+from workers.parallel.pipeline import StageLayers
 from workers.parallel.shard_loop import shard_kv_shape
 from workers.parallel.tensor_group import TensorGroup
 from workers.sampling.guided import GuidedDecoder
@@ -30,10 +31,11 @@ class DecodePath:
     direct: bool = False  # Llama-shaped models run chatserve's own forward (direct_forward.py)
 
 
-def kv_pool(model: torch.nn.Module, limits: EngineLimits, world: int = 1) -> tuple[KVCacheShape, int]:
-    """The model's KV shape (of one shard's KV heads, split over `world`) and how many
-    blocks the budget holds (at least one, or ValueError)."""
-    shape = shard_kv_shape(model, world)
+def kv_pool(model: torch.nn.Module, limits: EngineLimits, world: int = 1,
+            stage: StageLayers | None = None) -> tuple[KVCacheShape, int]:
+    """The model's KV shape (of one shard's KV heads, split over `world`, or of a pipeline
+    stage's layers) and how many blocks the budget holds (at least one, or ValueError)."""
+    shape = shard_kv_shape(model, world, stage)
     num_blocks = shape.num_blocks_for_budget(limits.kv_cache_bytes, limits.block_size)
     if num_blocks < 1:
         raise ValueError(
@@ -59,16 +61,20 @@ def decode_path(device: torch.device, limits: EngineLimits, split: bool = False)
 
 def model_runner(model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device, path: DecodePath,
                  limits: EngineLimits, vocab_size: int, lora: AdapterSlots = NoAdapters(),
-                 tensor_group: TensorGroup | None = None) -> ModelRunner:
+                 tensor_group: TensorGroup | None = None, stage: StageLayers | None = None) -> ModelRunner:
     """The runner, with its decode graphs captured when `path` says so (with and without
     LoRA rows when `lora` has slots). `tensor_group`: `model` is this driver's part of a
-    split model (workers/parallel/), which the direct forward runs over the group."""
+    split model (workers/parallel/), which the direct forward runs over the group: its
+    tensor shard, or its first pipeline `stage`."""
     runner = ModelRunner(model, kv_cache, device, triton_decode=path.triton, lora=lora)
     if tensor_group is not None:
         if not path.direct:
             raise ValueError("a model split over a tensor-parallel group runs the direct forward only "
                              "(engine.direct_forward is off, or LoRA is on)")
-        runner.direct = TensorParallelForward(DirectForward(model, tensor_group), tensor_group)
+        if stage is None:
+            runner.direct = DriverForward(DirectForward(model, tensor_group), tensor_group)
+        else:
+            runner.direct = DriverForward(DirectForward(model, layers=stage.layers), tensor_group, stage)
     elif path.direct:  # never with LoRA (decode_path)
         runner.direct = direct_forward_for(model)
     if path.graphs:

@@ -129,8 +129,10 @@ def unsupported_reason(model: nn.Module) -> str | None:
 class DirectForward:
     """The model's logits for one packed step, without transformers' module calls."""
 
-    def __init__(self, model: nn.Module, shards: ShardCollectives | None = None):
-        """`shards`: the group `model` was split over (workers/parallel/tensor_split.py)."""
+    def __init__(self, model: nn.Module, shards: ShardCollectives | None = None, layers: range | None = None):
+        """`shards`: the group `model` was split over (workers/parallel/tensor_split.py).
+        `layers`: a pipeline stage's layers only (workers/parallel/pipeline.py), indexed from
+        0 in its own KV pool; the other layers' weights may be absent (on the meta device)."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the direct forward cannot run this model: {reason}")
@@ -141,9 +143,12 @@ class DirectForward:
         self.rotary = body.rotary_emb
         self.final_norm = _rms_norm(body.norm)
         self.lm_head = model.lm_head
+        self.hidden_size = config.hidden_size
         world = shards.world if shards is not None else 1
         heads, kv_heads = config.num_attention_heads // world, config.num_key_value_heads // world
-        self.layers = [self._layer(model, index, layer, heads, kv_heads) for index, layer in enumerate(body.layers)]
+        layers = layers if layers is not None else range(len(body.layers))
+        self.layers = [self._layer(model, index - layers.start, body.layers[index], heads, kv_heads)
+                       for index in layers]
 
     @staticmethod
     def _layer(model: nn.Module, index: int, layer: nn.Module, heads: int, kv_heads: int) -> _Layer:
@@ -171,11 +176,16 @@ class DirectForward:
         """input_ids, position_ids [1, T]; the logits of the `logits_to_keep` rows [1, K, vocab]
         in the model's dtype, as transformers' forward returns them (None on a shard that is
         not its group's driver)."""
-        shards = self.shards
-        if shards is None:
-            x = self.embed(input_ids[0])  # [T, hidden]
-        else:
-            x = shards.embed(self.embed.weight, input_ids[0], self.vocab_size)
+        return self.head(self.run_layers(self.embed_ids(input_ids), position_ids, meta), logits_to_keep)
+
+    def embed_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[1, T] ids -> [T, hidden]."""
+        if self.shards is None:
+            return self.embed(input_ids[0])
+        return self.shards.embed(self.embed.weight, input_ids[0], self.vocab_size)
+
+    def run_layers(self, x: torch.Tensor, position_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The hidden states [T, hidden] through this forward's layers."""
         cos, sin = self.rotary(x, position_ids)
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, Dh]: one angle per position, every head
         # transformers rotates by q * cos + cat(-q2, q1) * sin. cat(q2, q1) is one roll, and
@@ -185,9 +195,13 @@ class DirectForward:
         for layer in self.layers:
             x = x + self._summed(self._attention(layer, layer.input_norm(x), cos, signed_sin, meta))
             x = x + self._summed(self._mlp(layer, layer.post_norm(x)))
+        return x
+
+    def head(self, x: torch.Tensor, logits_to_keep: torch.Tensor) -> torch.Tensor | None:
+        """The logits [1, K, vocab] of the kept rows (None on a tensor shard that is not the driver)."""
         logits = self.lm_head(self.final_norm(x[logits_to_keep]))
-        if shards is not None:
-            logits = shards.gather_logits(logits, self.vocab_size)
+        if self.shards is not None:
+            logits = self.shards.gather_logits(logits, self.vocab_size)
         return logits.unsqueeze(0) if logits is not None else None
 
     def _summed(self, partial: torch.Tensor) -> torch.Tensor:

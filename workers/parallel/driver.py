@@ -1,6 +1,6 @@
-"""The driver's side of a tensor-parallel replica: each step goes to the other shards
-(the packed inputs and the KV block copies since the last step), then the driver runs
-its own part of the forward and gets the whole logits back."""
+"""The driver's side of a split replica: each step goes to the other shards (the packed
+inputs and the KV block copies since the last step), then the driver runs its own part of
+the forward (its tensor shard, or the first pipeline stage) and gets the whole logits back."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 
 from workers.model.attention import AttentionMetadata
 from workers.model.direct_forward import DirectForward
+from workers.parallel.pipeline import StageLayers, run_first_stage
 from workers.parallel.step_message import StepMessage
 from workers.parallel.tensor_group import TensorGroup
 
@@ -20,12 +21,14 @@ class ShardGroupLost(BaseException):
     engine's per-request containment (a BaseException) and stops the engine."""
 
 
-class TensorParallelForward:
-    """Stands where the runner's DirectForward stands, on shard 0."""
+class DriverForward:
+    """Stands where the runner's DirectForward stands, on shard 0. `stage`: the model is
+    split in pipeline stages and this is the first (else it is split by tensors)."""
 
-    def __init__(self, forward: DirectForward, group: TensorGroup) -> None:
+    def __init__(self, forward: DirectForward, group: TensorGroup, stage: StageLayers | None = None) -> None:
         self.forward = forward
         self.group = group
+        self.stage = stage
         self.vocab_size = forward.vocab_size
         # Called before ShardGroupLost is raised: the worker replica ends its process there,
         # so that its requests' streams break and resume on another replica.
@@ -41,6 +44,9 @@ class TensorParallelForward:
         copies, self._copies = self._copies, []
         try:
             self.group.send(StepMessage.of(input_ids, position_ids, meta, logits_to_keep, copies))
+            if self.stage is not None:
+                return run_first_stage(self.forward, self.group, self.stage, input_ids, position_ids, meta,
+                                       logits_to_keep, self.vocab_size)
             return self.forward(input_ids, position_ids, meta, logits_to_keep)
         except Exception as exc:
             if self.on_lost is not None:

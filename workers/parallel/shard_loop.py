@@ -1,5 +1,6 @@
-"""A non-driver shard of a tensor-parallel replica: it builds its part of the KV pool as
-the driver sizes it, then runs each step the driver sends, until told to stop."""
+"""A non-driver shard of a split replica (a tensor shard, or a later pipeline stage): it
+builds its part of the KV pool as the driver sizes it, then runs each step the driver
+sends, until told to stop."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from torch import nn
 
 from workers.model.direct_forward import DirectForward
 from workers.model.kv_cache import KVCacheShape, PagedKVCache
+from workers.parallel.pipeline import PipelineStageForward, StageLayers
 from workers.parallel.step_message import StepMessage
 from workers.parallel.tensor_group import TensorGroup
 
@@ -23,19 +25,28 @@ class KVPlan:
     block_size: int
 
 
-def shard_kv_shape(model: nn.Module, world: int) -> KVCacheShape:
-    """One shard's KV shape: its part of the KV heads."""
+def shard_kv_shape(model: nn.Module, world: int, stage: StageLayers | None = None) -> KVCacheShape:
+    """One shard's KV shape: its part of the KV heads (a tensor split over `world`), or a
+    pipeline stage's layers."""
     shape = KVCacheShape.from_model_config(model.config, model.dtype)
+    if stage is not None:
+        return dataclasses.replace(shape, num_layers=stage.end - stage.start)
     return dataclasses.replace(shape, num_kv_heads=shape.num_kv_heads // world)
 
 
 class ShardLoop:
-    def __init__(self, model: nn.Module, group: TensorGroup, device: torch.device) -> None:
-        """`model`: this shard's part (tensor_split.py). Waits for the driver's KV plan."""
+    def __init__(self, model: nn.Module, group: TensorGroup, device: torch.device,
+                 stage: StageLayers | None = None) -> None:
+        """`model`: this shard's part (sliced_load.py); `stage`: its pipeline stage, when the
+        model is split by layers. Waits for the driver's KV plan."""
         plan = group.receive()
         self.group = group
-        self.kv_cache = PagedKVCache(shard_kv_shape(model, group.world), plan.num_blocks, plan.block_size, device)
-        self.forward = DirectForward(model, group)
+        shape = shard_kv_shape(model, group.world, stage)
+        self.kv_cache = PagedKVCache(shape, plan.num_blocks, plan.block_size, device)
+        if stage is None:
+            self.forward = DirectForward(model, group)
+        else:
+            self.forward = PipelineStageForward(DirectForward(model, layers=stage.layers), group, stage, model.dtype)
         self.steps = 0
 
     @torch.inference_mode()

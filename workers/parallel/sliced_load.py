@@ -1,6 +1,7 @@
-"""One tensor-parallel shard's part of a checkpoint, read from its safetensors files slice
-by slice: the model is built on the meta device and each parameter is filled with only the
-rows or columns this rank keeps (tensor_split.py), so a shard's host memory holds its part
+"""One shard's part of a checkpoint, read from its safetensors files slice by slice: the
+model is built on the meta device and each parameter is filled with only the rows or
+columns a tensor rank keeps (tensor_split.py), or only a pipeline stage's layers
+(pipeline.py; the rest stay on the meta device), so a shard's host memory holds its part
 of the weights, never the whole model."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from workers.contract.model_shape import SplitShape, split_problem
+from workers.parallel.pipeline import StageLayers
 from workers.parallel.tensor_group import TensorRank
 from workers.parallel.tensor_split import (
     TensorSplitError,
@@ -26,9 +28,10 @@ logger = logging.getLogger(__name__)
 
 
 def load_split_model(path: Path, position: TensorRank, dtype: torch.dtype, device: str,
-                     attn_implementation: str | None = None) -> nn.Module:
-    """`position`'s part of the causal LM in `path` (safetensors files), on `device`, unfused
-    and unpacked; raises TensorSplitError when the model cannot be split so."""
+                     attn_implementation: str | None = None, stage: StageLayers | None = None) -> nn.Module:
+    """`position`'s part of the causal LM in `path` (safetensors files), or pipeline
+    `stage`'s layers, on `device`, unfused and unpacked; raises TensorSplitError when the
+    model cannot be split so."""
     config = AutoConfig.from_pretrained(path)
     reason = split_problem(config, position.world)
     if reason is not None:
@@ -39,14 +42,15 @@ def load_split_model(path: Path, position: TensorRank, dtype: torch.dtype, devic
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
-    _fill(model, files, SplitShape.of(config), position, dtype, device)
+    _fill(model, files, SplitShape.of(config), position, dtype, device, stage)
     _rebuild_buffers(model, device)
     return model.eval()
 
 
 def _fill(model: nn.Module, files: list[Path], shape: SplitShape, position: TensorRank, dtype: torch.dtype,
-          device: str) -> None:
-    expected = dict(model.named_parameters())
+          device: str, stage: StageLayers | None) -> None:
+    tied = bool(model.config.tie_word_embeddings)
+    expected = {name: p for name, p in model.named_parameters() if stage is None or stage.holds(name, tied)}
     filled: set[str] = set()
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as checkpoint:
@@ -56,7 +60,7 @@ def _fill(model: nn.Module, files: list[Path], shape: SplitShape, position: Tens
                 value = _read(checkpoint.get_slice(name), cut_for(name, shape, position))
                 set_parameter(model, name, value.to(device=device, dtype=dtype))
                 filled.add(name)
-    if model.config.tie_word_embeddings:
+    if tied and (stage is None or stage.last):
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
         filled.add("lm_head.weight")
     missing = sorted(set(expected) - filled)

@@ -94,6 +94,16 @@ class TensorGroup:
         dist.gather(local, parts, dst=0)
         return torch.cat(parts, dim=-1)[..., :vocab_size] if parts is not None else None
 
+    def send_tensor(self, x: torch.Tensor, dst: int) -> None:
+        """Pipeline: hidden states (or logits) to shard `dst`."""
+        dist.send(x.contiguous(), dst)
+
+    def receive_tensor(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+        """Pipeline: what shard `src` sends with `send_tensor`."""
+        out = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.recv(out, src)
+        return out
+
     def send(self, message: object) -> None:
         """Driver: one object to every other shard (a step, or None: stop)."""
         dist.broadcast_object_list([message], src=0, device=self._object_device)

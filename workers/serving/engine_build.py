@@ -33,9 +33,9 @@ def build_engine(config: ModelConfig) -> BuiltEngine:
     """Load the model and build its engine. Call it on the thread that will run the engine
     (AsyncEngine.start_on_own_thread says why)."""
     device = torch.device(config.device)
-    world = config.parallel.tensor_parallel_size
+    world = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
     if world == 1:
-        loaded = load_part(config, TensorRank(0, 1))
+        loaded, _ = load_part(config, 0)
         limits = sized_engine_limits(config, loaded.model, device)
         return BuiltEngine(LLMEngine(loaded.model, eos_token_ids(loaded), limits, device, tokenizer=loaded.tokenizer),
                            loaded)
@@ -47,11 +47,11 @@ def build_engine(config: ModelConfig) -> BuiltEngine:
     started = time.monotonic()
     init_method = free_init_method(_node_address())
     shards = start_shards(config, init_method)
-    loaded = load_part(config, TensorRank(0, world))
+    loaded, stage = load_part(config, 0)
     group = TensorGroup(TensorRank(0, world), init_method, device)  # waits for every shard to load and join
     limits = sized_engine_limits(config, loaded.model, device)
     engine = LLMEngine(loaded.model, eos_token_ids(loaded), limits, device, tokenizer=loaded.tokenizer,
-                       tensor_group=group)
+                       tensor_group=group, stage=stage)
     logger.info("%s split over %d shards, ready in %.1f s; the driver's peak RSS %.0f MiB", config.id, world,
                 time.monotonic() - started, peak_rss_mib())
     return BuiltEngine(engine, loaded, shards)

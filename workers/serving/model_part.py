@@ -18,6 +18,7 @@ from workers.model.loader import (
     prepare_model_dir,
     resolve_dtype,
 )
+from workers.parallel.pipeline import StageLayers
 from workers.parallel.sliced_load import load_split_model
 from workers.parallel.tensor_group import TensorRank
 from workers.parallel.tensor_split import TensorSplitError
@@ -25,30 +26,36 @@ from workers.serving.cpu_budget import cpu_budget
 from workers.serving.host_memory import keep_freed_memory
 
 
-def load_part(config: ModelConfig, position: TensorRank) -> LoadedModel:
-    """The model, or `position`'s part of it read slice by slice from the checkpoint
-    (workers/parallel/sliced_load.py), on this thread's torch threads; a part is fused and
-    packed after it is cut. A model the split cannot divide is a ValueError naming the
-    config field."""
+def load_part(config: ModelConfig, rank: int) -> tuple[LoadedModel, StageLayers | None]:
+    """The model, or shard `rank`'s part of it read slice by slice from the checkpoint
+    (workers/parallel/sliced_load.py): its tensor part, or its pipeline stage (returned
+    too), per `config.parallel`; on this thread's torch threads. A part is fused and packed
+    after it is cut. A model the split cannot divide is a ValueError naming the field."""
     set_torch_threads(config)
     if config.device == "cpu":
         keep_freed_memory()
     attn = register_paged_attention()
     cache_dir = Path(config.cache_dir) if config.cache_dir else None
-    if position.world == 1:
+    tp, stages = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
+    if tp * stages == 1:
         return load_model(config.source, config.device, config.dtype, cache_dir, attn_implementation=attn,
-                          pack_cpu_weights=config.pack_cpu_weights, fuse_projections=config.fuse_projections)
+                          pack_cpu_weights=config.pack_cpu_weights, fuse_projections=config.fuse_projections), None
     path = prepare_model_dir(config.source, cache_dir)
+    stage = None
+    if stages > 1:
+        stage = StageLayers.of(rank, stages, AutoConfig.from_pretrained(path).num_hidden_layers)
+    field = "tensor_parallel_size" if tp > 1 else "pipeline_parallel_size"
     try:
-        model = load_split_model(path, position, _split_dtype(config, path), config.device, attn)
+        model = load_split_model(path, TensorRank(rank if tp > 1 else 0, tp), _split_dtype(config, path),
+                                 config.device, attn, stage)
     except TensorSplitError as exc:
-        raise ValueError(f"model {config.id!r}: parallel.tensor_parallel_size: {exc}") from None
+        raise ValueError(f"model {config.id!r}: parallel.{field}: {exc}") from None
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path)
     fuse_sibling_projections(model)  # the direct forward runs fused siblings
     if config.pack_cpu_weights:
         pack_linear_layers(model)
-    return LoadedModel(model=model, tokenizer=AutoTokenizer.from_pretrained(path), path=path)
+    return LoadedModel(model=model, tokenizer=AutoTokenizer.from_pretrained(path), path=path), stage
 
 
 def _split_dtype(config: ModelConfig, path: Path) -> torch.dtype:
@@ -64,5 +71,6 @@ def set_torch_threads(config: ModelConfig) -> None:
     # default is the CPUs the container may use (its CPU quota), not the node's cores.
     # A split model's shards share the budget (each a process of its own).
     if config.device == "cpu":
-        threads = config.engine.torch_threads or max(1, cpu_budget() // config.parallel.tensor_parallel_size)
+        shards = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
+        threads = config.engine.torch_threads or max(1, cpu_budget() // shards)
         torch.set_num_threads(threads)

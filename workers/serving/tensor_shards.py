@@ -47,9 +47,9 @@ class TensorShard:
 
         try:
             started = time.monotonic()
-            loaded = load_part(config, position)
+            loaded, stage = load_part(config, position.rank)
             device = torch.device(config.device)
-            self._loop = ShardLoop(loaded.model, TensorGroup(position, init_method, device), device)
+            self._loop = ShardLoop(loaded.model, TensorGroup(position, init_method, device), device, stage)
             logger.info("shard %d of %d of %s ready in %.1f s, peak RSS %.0f MiB", position.rank, position.world,
                         config.id, time.monotonic() - started, peak_rss_mib())
             self._loop.run()
@@ -73,7 +73,7 @@ def start_shards(config: ModelConfig, init_method: str) -> list[ray.actor.ActorH
     """Shards 1..world-1, each in its bundle of this replica's placement group (or placed
     by Ray where the replica has none, e.g. a test's plain actor), with that bundle's
     resources."""
-    world = config.parallel.tensor_parallel_size
+    world = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
     group = get_current_placement_group()
     resources = {"num_cpus": config.worker_serve_options()["ray_actor_options"]["num_cpus"]}
     if config.device == "cuda":

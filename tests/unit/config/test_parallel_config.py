@@ -28,6 +28,13 @@ def test_a_split_cpu_replica_splits_its_cpus_over_one_bundle_a_shard():
     assert "placement_group_bundles" not in model().worker_serve_options()
 
 
+def test_a_pipeline_replica_takes_one_bundle_a_stage():
+    options = model(parallel={"pipeline_parallel_size": 4, "placement_group_strategy": "SPREAD"},
+                    deployment={"ray_actor_options": {"num_cpus": 2}}).worker_serve_options()
+    assert options["placement_group_bundles"] == [{"CPU": 0.5}] * 4
+    assert options["placement_group_strategy"] == "SPREAD"
+
+
 def test_a_split_gpu_replica_takes_one_gpu_a_shard():
     options = model(device="cuda", parallel={"tensor_parallel_size": 4, "placement_group_strategy": "PACK"},
                     engine={"kv_cache_memory_gib": 8},
@@ -37,7 +44,8 @@ def test_a_split_gpu_replica_takes_one_gpu_a_shard():
 
 
 @pytest.mark.parametrize(("fields", "message"), [
-    ({"parallel": {"pipeline_parallel_size": 2}}, "pipeline_parallel_size"),
+    ({"parallel": {"pipeline_parallel_size": 2, "tensor_parallel_size": 2}}, "together are not built yet"),
+    ({"parallel": {"pipeline_parallel_size": 2}, "lora": {}}, "LoRA adapters on a split model"),
     ({"parallel": {"tensor_parallel_size": 2}, "lora": {}}, "LoRA adapters on a split model"),
     ({"parallel": {"tensor_parallel_size": 2}, "engine": {"direct_forward": False}}, "direct_forward: true"),
     ({"parallel": {"tensor_parallel_size": 2}, "device": "cuda", "deployment": {"ray_actor_options": {"num_gpus": 1}}},
@@ -75,3 +83,13 @@ def test_a_local_checkpoint_the_split_cannot_divide_is_named_at_start(tmp_path):
         check_placement(config, [])
     three = parse_app_config({"models": [{"id": "m", "source": str(tmp_path), "parallel": {"tensor_parallel_size": 3}}]})
     check_placement(three, [])  # 9 heads, 3 KV heads, 1536: all divide by 3
+
+
+def test_more_stages_than_layers_is_named_at_start(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3ForCausalLM"], "num_attention_heads": 4, "num_key_value_heads": 2,
+        "hidden_size": 64, "intermediate_size": 128, "vocab_size": 300, "num_hidden_layers": 2}))
+    config = parse_app_config({"models": [{"id": "m", "source": str(tmp_path), "parallel": {"pipeline_parallel_size": 3}}]})
+    with pytest.raises(ConfigError, match=r"models\.0\.parallel\.pipeline_parallel_size: pipeline_parallel_size 3 is "
+                       r"more than the model's 2 layers"):
+        check_placement(config, [])

@@ -13,10 +13,17 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.support.tensor_parallel import CASES, reference, run_rank, split_model
+from tests.support.tensor_parallel import (
+    CASES,
+    PIPELINE_CASES,
+    reference,
+    run_rank,
+    split_model,
+)
 from tests.unit.model.test_direct_forward import llama, qwen3_head_norms
 from tests.unit.model.test_model_families import gemma2
 from workers.contract.model_shape import split_problem
+from workers.parallel.pipeline import StageLayers
 from workers.parallel.sliced_load import load_split_model
 from workers.parallel.tensor_group import TensorRank, free_init_method
 from workers.parallel.tensor_split import TensorSplitError
@@ -24,21 +31,23 @@ from workers.parallel.tensor_split import TensorSplitError
 WORLD = 2
 
 
-def _split_outputs() -> dict[str, dict]:
+def _split_outputs(pipeline: bool = False) -> dict[str, dict]:
+    cases = PIPELINE_CASES if pipeline else CASES
     context = mp.get_context("spawn")
     results = context.Queue()
     init_method = free_init_method()
-    ranks = [context.Process(target=run_rank, args=(rank, WORLD, init_method, results)) for rank in range(WORLD)]
+    ranks = [context.Process(target=run_rank, args=(rank, WORLD, init_method, results, pipeline))
+             for rank in range(WORLD)]
     for process in ranks:
         process.start()
     outputs: dict[str, dict] = {}
     try:
-        while len(outputs) < len(CASES):
+        while len(outputs) < len(cases):
             name, value = results.get(timeout=240)
             assert name != "error", value
             outputs[name] = value
     except queue.Empty:
-        pytest.fail(f"the split run gave {sorted(outputs)} of {len(CASES)} cases within the time")
+        pytest.fail(f"the split run gave {sorted(outputs)} of {len(cases)} cases within the time")
     finally:
         for process in ranks:
             process.join(timeout=60)
@@ -48,9 +57,10 @@ def _split_outputs() -> dict[str, dict]:
     return outputs
 
 
-def test_two_shards_give_the_whole_models_tokens_and_logprobs():
-    split = _split_outputs()
-    for case in CASES:
+@pytest.mark.parametrize("pipeline", [False, True], ids=["tensor", "pipeline"])
+def test_two_shards_give_the_whole_models_tokens_and_logprobs(pipeline):
+    split = _split_outputs(pipeline)
+    for case in PIPELINE_CASES if pipeline else CASES:
         name = case[0]
         want, got = reference(case), split[name]
         assert want["hit_tokens"] > 0 and got["hit_tokens"] == want["hit_tokens"], name
@@ -59,7 +69,7 @@ def test_two_shards_give_the_whole_models_tokens_and_logprobs():
             assert max(abs(a - b) for (_, a), (_, b) in zip(g, w)) < 1e-4, name
         assert got["n2"] == want["n2"] and len(got["n2"]) == 2, name
         assert got.get("guided") == want.get("guided"), name
-    guided = split["llama-tokenizer-guided"]["guided"]
+    guided = split["pp-llama-tokenizer-guided" if pipeline else "llama-tokenizer-guided"]["guided"]
     assert guided, "the guided row produced tokens"
 
 
@@ -105,3 +115,26 @@ def test_a_shard_reads_only_its_slices_of_a_checkpoint(tmp_path):
 def test_the_vocabulary_splits_in_equal_parts_but_the_last():
     assert [TensorRank(r, 2).vocab_range(301) for r in range(2)] == [(0, 151), (151, 301)]
     assert [TensorRank(r, 4).vocab_range(10) for r in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 10)]
+
+
+def test_stages_take_the_layers_in_order_the_first_ones_more():
+    assert [StageLayers.of(s, 3, 8).layers for s in range(3)] == [range(0, 3), range(3, 6), range(6, 8)]
+    stage = StageLayers.of(1, 2, 3)
+    assert stage.holds("model.layers.2.mlp.down_proj.weight", tied=False)
+    assert not stage.holds("model.layers.1.mlp.down_proj.weight", tied=False)
+    assert stage.holds("lm_head.weight", tied=False) and stage.holds("model.norm.weight", tied=False)
+    assert stage.holds("model.embed_tokens.weight", tied=True)  # the last stage's head is the embedding
+    assert not stage.holds("model.embed_tokens.weight", tied=False)
+
+
+def test_a_stage_reads_only_its_layers_of_a_checkpoint(tmp_path):
+    model = qwen3_head_norms()
+    model.save_pretrained(tmp_path)
+    stage = StageLayers.of(1, 2, model.config.num_hidden_layers)
+    read = load_split_model(tmp_path, TensorRank(0, 1), torch.float32, "cpu", stage=stage)
+    whole = dict(model.state_dict())
+    for name, param in read.named_parameters():
+        if stage.holds(name, bool(model.config.tie_word_embeddings)):
+            assert torch.equal(param, whole[name]), name
+        else:
+            assert param.is_meta, name  # never read

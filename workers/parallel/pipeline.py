@@ -1,0 +1,90 @@
+"""Pipeline parallelism: a model's layers in consecutive stages, one shard each.
+
+The driver (stage 0) sends every shard the step (step_message.py), embeds the tokens, runs
+its layers and sends the hidden states on; each later stage receives them, runs its
+layers and sends them on; the last stage applies the final norm and output head and sends
+the logits back to the driver, which samples. One step is in the pipeline at a time:
+stages idle while the others run (micro-batches in flight are not built yet), so what a
+split buys here is room (each shard holds its layers only), not speed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.model.attention import AttentionMetadata
+from workers.model.direct_forward import DirectForward
+from workers.parallel.tensor_group import TensorGroup
+
+_LAYER_PREFIX = "model.layers."
+
+
+@dataclass(frozen=True)
+class StageLayers:
+    """Stage `stage` of `stages` runs layers [start, end)."""
+
+    stage: int
+    stages: int
+    start: int
+    end: int
+
+    @classmethod
+    def of(cls, stage: int, stages: int, num_layers: int) -> "StageLayers":
+        """Layers split evenly; the first stages take one more where they do not divide."""
+        base, extra = divmod(num_layers, stages)
+        start = stage * base + min(stage, extra)
+        return cls(stage, stages, start, start + base + (1 if stage < extra else 0))
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    @property
+    def layers(self) -> range:
+        return range(self.start, self.end)
+
+    def holds(self, name: str, tied: bool) -> bool:
+        """Whether this stage keeps the checkpoint parameter `name` (`tied`: the output head
+        is the embedding, which the last stage then keeps too)."""
+        if name.startswith(_LAYER_PREFIX):
+            return int(name[len(_LAYER_PREFIX):].split(".", 1)[0]) in self.layers
+        if "embed_tokens" in name:
+            return self.first or (tied and self.last)
+        return self.last  # the final norm and the output head
+
+
+class PipelineStageForward:
+    """A later stage's part of each step: hidden states in, its layers, hidden states (or,
+    on the last stage, the logits for the driver) out."""
+
+    def __init__(self, forward: DirectForward, group: TensorGroup, stage: StageLayers, dtype: torch.dtype) -> None:
+        self.forward = forward
+        self.group = group
+        self.stage = stage
+        self.dtype = dtype
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, meta: AttentionMetadata,
+                 logits_to_keep: torch.Tensor) -> None:
+        hidden = self.group.receive_tensor((input_ids.shape[1], self.forward.hidden_size), self.dtype,
+                                           self.stage.stage - 1)
+        hidden = self.forward.run_layers(hidden, position_ids, meta)
+        if self.stage.last:
+            self.group.send_tensor(self.forward.head(hidden, logits_to_keep), 0)
+        else:
+            self.group.send_tensor(hidden, self.stage.stage + 1)
+
+
+def run_first_stage(forward: DirectForward, group: TensorGroup, stage: StageLayers, input_ids: torch.Tensor,
+                    position_ids: torch.Tensor, meta: AttentionMetadata, logits_to_keep: torch.Tensor,
+                    vocab_size: int) -> torch.Tensor:
+    """The driver's part of a step: its layers, then the logits [1, K, vocab] from the last stage."""
+    hidden = forward.run_layers(forward.embed_ids(input_ids), position_ids, meta)
+    group.send_tensor(hidden, 1)
+    rows = logits_to_keep.shape[0]
+    return group.receive_tensor((rows, vocab_size), hidden.dtype, stage.stages - 1).unsqueeze(0)
