@@ -38,8 +38,7 @@ def check_placement(config: AppConfig, nodes: list[dict[str, float]]) -> None:
     for index, model in enumerate(config.models):
         tp, stages = model.parallel.tensor_parallel_size, model.parallel.pipeline_parallel_size
         split = local_split_problem(model.source, tp, stages)
-        field = "tensor_parallel_size" if tp > 1 else "pipeline_parallel_size"
-        problem = f"parallel.{field}: {split}" if split else placement_problem(model, nodes)
+        problem = f"parallel.{model.parallel.split_field}: {split}" if split else placement_problem(model, nodes)
         if problem is not None:
             raise ConfigError(f"invalid chatserve config: models.{index}.{problem}")
 

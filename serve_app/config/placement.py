@@ -20,8 +20,7 @@ def placement_problem(model: ModelConfig, nodes: list[dict[str, float]]) -> str 
         return None
     where = "any one node" if strict else "the cluster"
     largest = max(pools, key=lambda pool: (pool.get("GPU", 0), pool.get("CPU", 0)))
-    field = "tensor_parallel_size" if model.parallel.tensor_parallel_size > 1 else "pipeline_parallel_size"
-    return (f"parallel.{field}: {len(bundles)} shards need {need['GPU']:g} GPUs and {need['CPU']:g} CPUs "
+    return (f"parallel.{model.parallel.split_field}: {len(bundles)} shards need {need['GPU']:g} GPUs and {need['CPU']:g} CPUs "
             f"({model.parallel.placement_group_strategy}), more than {where} has "
             f"({largest.get('GPU', 0):g} GPUs, {largest.get('CPU', 0):g} CPUs)")
 

@@ -42,8 +42,7 @@ def make_engine(model, num_blocks=256, block_size=4, eos=frozenset(), tokenizer=
                 stage=None, **limits) -> LLMEngine:
     """`tensor_group`: `model` is the driver's part of a split model (workers/parallel/), by
     tensors, or by layers when `stage` (its first pipeline stage) is given."""
-    world = tensor_group.world if tensor_group and stage is None else 1
-    per_token = shard_kv_shape(model, world, stage).bytes_per_token
+    per_token = shard_kv_shape(model, tensor_group.world if tensor_group else 1, stage).bytes_per_token
     limits = EngineLimits(block_size=block_size, kv_cache_bytes=num_blocks * block_size * per_token, **limits)
     engine = LLMEngine(model, eos, limits, CPU, tokenizer=tokenizer, tensor_group=tensor_group, stage=stage)
     assert engine.blocks.num_blocks == num_blocks

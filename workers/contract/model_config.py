@@ -182,6 +182,16 @@ class ParallelConfig(_Strict):
     placement_group_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
         "STRICT_PACK", description="how Ray places the shards' bundles: STRICT_PACK keeps a tensor group on one node")
 
+    @property
+    def shards(self) -> int:
+        """Processes one replica runs the model in (itself included)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def split_field(self) -> str:
+        """The field that splits the model, as errors name it."""
+        return "tensor_parallel_size" if self.tensor_parallel_size > 1 else "pipeline_parallel_size"
+
 
 class ResumeConfig(_Strict):
     """How a request outlives the worker replica serving it (serve_app/transport/)."""
@@ -193,6 +203,8 @@ class ResumeConfig(_Strict):
                              "ends it with 503 worker_failed")
     replica_wait_s: float = Field(60, gt=0, description="how long a broken request keeps trying to reach a "
                                   "replica (a new one may be starting) before it ends with 503 worker_failed")
+
+
 class RoutingConfig(_Strict):
     """How the ingress picks a worker replica for a request (serve_app/transport/prefix_routing.py)."""
 
@@ -291,9 +303,9 @@ class ModelConfig(_Strict):
 
     def _check_parallel(self, gpus: float) -> None:
         tp, stages = self.parallel.tensor_parallel_size, self.parallel.pipeline_parallel_size
-        if tp * stages == 1:
+        if self.parallel.shards == 1:
             return
-        where = "parallel.tensor_parallel_size" if tp > 1 else "parallel.pipeline_parallel_size"
+        where = f"parallel.{self.parallel.split_field}"
         if tp > 1 and stages > 1:
             raise ValueError("parallel.pipeline_parallel_size: tensor and pipeline parallelism together are not "
                              "built yet; set one of tensor_parallel_size and pipeline_parallel_size to 1")
@@ -310,7 +322,7 @@ class ModelConfig(_Strict):
         """Serve's options for the worker deployment: one placement-group bundle per shard
         when the model is split (the replica's actor takes the first)."""
         options = self.deployment.serve_options()
-        shards = self.parallel.tensor_parallel_size * self.parallel.pipeline_parallel_size
+        shards = self.parallel.shards
         if shards == 1:
             return options
         actor = options["ray_actor_options"]

@@ -75,8 +75,7 @@ class LLMEngine:
         self.tensor_group = tensor_group
         # A split model's output head holds only this shard's rows of the vocabulary.
         self.vocab_size = model.config.vocab_size if tensor_group else model.get_output_embeddings().weight.shape[0]
-        world = tensor_group.world if tensor_group and stage is None else 1
-        shape, num_blocks = kv_pool(model, limits, world, stage)
+        shape, num_blocks = kv_pool(model, limits, tensor_group.world if tensor_group else 1, stage)
         if tensor_group is not None:
             tensor_group.send(KVPlan(num_blocks, limits.block_size))
         path = decode_path(device, limits, split=tensor_group is not None)

@@ -75,7 +75,7 @@ class PipelineStageForward:
                                            self.stage.stage - 1)
         hidden = self.forward.run_layers(hidden, position_ids, meta)
         if self.stage.last:
-            self.group.send_tensor(self.forward.head(hidden, logits_to_keep), 0)
+            self.group.send_tensor(self.forward.head(hidden, logits_to_keep)[0], 0)  # [K, vocab]
         else:
             self.group.send_tensor(hidden, self.stage.stage + 1)
 

@@ -18,7 +18,9 @@ from workers.contract.model_shape import SplitShape, split_problem
 from workers.parallel.pipeline import StageLayers
 from workers.parallel.tensor_group import TensorRank
 from workers.parallel.tensor_split import (
+    Cut,
     TensorSplitError,
+    apply_cut,
     cut_for,
     set_parameter,
     sync_module_sizes,
@@ -69,13 +71,11 @@ def _fill(model: nn.Module, files: list[Path], shape: SplitShape, position: Tens
     sync_module_sizes(model)
 
 
-def _read(tensor_slice, cut) -> torch.Tensor:
-    """The cut of one checkpoint tensor, read without the rest."""
-    if cut is None:
-        return tensor_slice[:]
-    rows = tensor_slice.get_shape()
-    if cut.zero:
-        return torch.zeros(rows, dtype=tensor_slice[:1].dtype)
+def _read(tensor_slice, cut: Cut | None) -> torch.Tensor:
+    """The cut of one checkpoint tensor, read without the rest (a whole tensor, or a bias
+    held as zeros, is read whole: `apply_cut`)."""
+    if cut is None or cut.zero:
+        return apply_cut(tensor_slice[:], cut)
     if cut.dim == 0:
         return tensor_slice[cut.start : cut.end]
     return tensor_slice[:, cut.start : cut.end]

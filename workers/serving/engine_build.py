@@ -33,7 +33,7 @@ def build_engine(config: ModelConfig) -> BuiltEngine:
     """Load the model and build its engine. Call it on the thread that will run the engine
     (AsyncEngine.start_on_own_thread says why)."""
     device = torch.device(config.device)
-    world = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
+    world = config.parallel.shards
     if world == 1:
         loaded, _ = load_part(config, 0)
         limits = sized_engine_limits(config, loaded.model, device)

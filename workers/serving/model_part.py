@@ -37,19 +37,18 @@ def load_part(config: ModelConfig, rank: int) -> tuple[LoadedModel, StageLayers 
     attn = register_paged_attention()
     cache_dir = Path(config.cache_dir) if config.cache_dir else None
     tp, stages = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
-    if tp * stages == 1:
+    if config.parallel.shards == 1:
         return load_model(config.source, config.device, config.dtype, cache_dir, attn_implementation=attn,
                           pack_cpu_weights=config.pack_cpu_weights, fuse_projections=config.fuse_projections), None
     path = prepare_model_dir(config.source, cache_dir)
     stage = None
     if stages > 1:
         stage = StageLayers.of(rank, stages, AutoConfig.from_pretrained(path).num_hidden_layers)
-    field = "tensor_parallel_size" if tp > 1 else "pipeline_parallel_size"
     try:
         model = load_split_model(path, TensorRank(rank if tp > 1 else 0, tp), _split_dtype(config, path),
                                  config.device, attn, stage)
     except TensorSplitError as exc:
-        raise ValueError(f"model {config.id!r}: parallel.{field}: {exc}") from None
+        raise ValueError(f"model {config.id!r}: parallel.{config.parallel.split_field}: {exc}") from None
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path)
     fuse_sibling_projections(model)  # the direct forward runs fused siblings
@@ -71,6 +70,5 @@ def set_torch_threads(config: ModelConfig) -> None:
     # default is the CPUs the container may use (its CPU quota), not the node's cores.
     # A split model's shards share the budget (each a process of its own).
     if config.device == "cpu":
-        shards = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
-        threads = config.engine.torch_threads or max(1, cpu_budget() // shards)
+        threads = config.engine.torch_threads or max(1, cpu_budget() // config.parallel.shards)
         torch.set_num_threads(threads)

@@ -73,7 +73,7 @@ def start_shards(config: ModelConfig, init_method: str) -> list[ray.actor.ActorH
     """Shards 1..world-1, each in its bundle of this replica's placement group (or placed
     by Ray where the replica has none, e.g. a test's plain actor), with that bundle's
     resources."""
-    world = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
+    world = config.parallel.shards
     group = get_current_placement_group()
     resources = {"num_cpus": config.worker_serve_options()["ray_actor_options"]["num_cpus"]}
     if config.device == "cuda":
