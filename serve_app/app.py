@@ -38,7 +38,7 @@ def check_placement(config: AppConfig, nodes: list[dict[str, float]]) -> None:
     for index, model in enumerate(config.models):
         tp, stages = model.parallel.tensor_parallel_size, model.parallel.pipeline_parallel_size
         split = local_split_problem(model.source, tp, stages)
-        problem = f"parallel.{model.parallel.split_field}: {split}" if split else placement_problem(model, nodes)
+        problem = f"parallel.{split[0]}: {split[1]}" if split else placement_problem(model, nodes)
         if problem is not None:
             raise ConfigError(f"invalid chatserve config: models.{index}.{problem}")
 

@@ -1,5 +1,5 @@
-"""A model split over two shards under Serve (workers/parallel/, parallel.tensor_parallel_size:
-2, or pipeline_parallel_size: 2): each replica's shards sit in its placement group; the
+"""A model split under Serve (workers/parallel/: parallel.tensor_parallel_size: 2, and two
+pipeline stages of two tensor shards each): each replica's shards sit in its placement group; the
 OpenAI client streams the same greedy text as the whole model gives; a shard killed
 mid-stream ends its replica, and the stream resumes on the other replica (or on Serve's
 replacement) with no request failed."""
@@ -83,8 +83,9 @@ def resumed(url: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("chatserve_requests_resumed_total"))
 
 
-def test_a_model_in_two_pipeline_stages_streams_the_whole_models_text(serve_instance, tiny_model_dir, tiny_app):
-    serve.run(build_app(split_args(tiny_model_dir, 1, 1, stages=2)), name="stages", route_prefix="/stages",
+def test_a_model_in_two_stages_of_two_tensor_shards_streams_the_whole_models_text(serve_instance, tiny_model_dir,
+                                                                                 tiny_app):
+    serve.run(build_app(split_args(tiny_model_dir, 2, 1, stages=2)), name="stages", route_prefix="/stages",
               blocking=False)
     url = serve_instance.url("/stages")
     try:

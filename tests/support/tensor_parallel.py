@@ -1,6 +1,6 @@
 """Tensor-parallel runs for tests: the same models and requests on one process, or split
-over a gloo group of spawned processes (rank 0 drives an engine, the others run
-workers/parallel/shard_loop.py), so their outputs can be compared."""
+over a gloo group of spawned processes by tensors, by layers or both (shard 0 drives an
+engine, the others run workers/parallel/shard_loop.py), so their outputs can be compared."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from workers.model.cpu_linear import pack_linear_layers
 from workers.model.fused_projections import fuse_sibling_projections
 from workers.parallel.pipeline import StageLayers
 from workers.parallel.shard_loop import ShardLoop
-from workers.parallel.tensor_group import TensorGroup, TensorRank
+from workers.parallel.tensor_group import ShardLayout, TensorGroup, TensorRank
 from workers.parallel.tensor_split import (
     TensorSplitError,
     apply_cut,
@@ -58,6 +58,17 @@ PIPELINE_CASES = [
     ("pp-qwen3", lambda: (qwen3_head_norms(), None), 64, False),
     ("pp-llama-tokenizer-guided", _tokenizer_llama, 64, False),
 ]
+# Two pipeline stages of two tensor shards each.
+TENSOR_PIPELINE_CASES = [
+    ("tp-pp-llama-3-layers-chunked-packed", _three_layer_llama, 5, True),
+    ("tp-pp-llama-tokenizer-guided", _tokenizer_llama, 64, False),
+]
+# Each way to split: its shard layout and its cases.
+SPLITS = {
+    "tensor": (ShardLayout(tensor=2), CASES),
+    "pipeline": (ShardLayout(stages=2), PIPELINE_CASES),
+    "tensor-x-pipeline": (ShardLayout(tensor=2, stages=2), TENSOR_PIPELINE_CASES),
+}
 
 
 def split_model(model: torch.nn.Module, position: TensorRank) -> None:
@@ -124,16 +135,18 @@ def reference(case) -> dict:
     return workload(engine_for(prepared_part(model, TensorRank(0, 1), pack), budget, tokenizer), tokenizer)
 
 
-def run_rank(rank: int, world: int, init_method: str, results, pipeline: bool = False) -> None:
-    """One spawned process: every case in turn, on one group; split by tensors, or by
-    layers into `world` pipeline stages."""
+def run_rank(shard: int, split: str, init_method: str, results) -> None:
+    """One spawned process: every case of `split` (a key of SPLITS) in turn, on one group."""
     try:
         torch.set_num_threads(1)
-        group = TensorGroup(TensorRank(rank, world), init_method, CPU, timeout_s=60)
-        for name, build, budget, pack in PIPELINE_CASES if pipeline else CASES:
+        layout, cases = SPLITS[split]
+        group = TensorGroup(shard, layout, init_method, CPU, timeout_s=60)
+        for name, build, budget, pack in cases:
             model, tokenizer = build()
-            stage = StageLayers.of(rank, world, model.config.num_hidden_layers) if pipeline else None
-            part = prepared_part(model, TensorRank(0, 1) if pipeline else group.position, pack)
+            stage = None
+            if layout.stages > 1:
+                stage = StageLayers.of(group.stage, layout.stages, model.config.num_hidden_layers)
+            part = prepared_part(model, group.position, pack)
             if group.is_driver:
                 engine = engine_for(part, budget, tokenizer, group, stage)
                 results.put((name, workload(engine, tokenizer)))
@@ -142,5 +155,5 @@ def run_rank(rank: int, world: int, init_method: str, results, pipeline: bool = 
                 ShardLoop(part, group, CPU, stage).run()
         group.close()
     except BaseException:  # noqa: BLE001 - the test reads what went wrong
-        results.put(("error", f"rank {rank}: {traceback.format_exc()}"))
+        results.put(("error", f"shard {shard}: {traceback.format_exc()}"))
         raise

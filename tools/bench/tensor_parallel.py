@@ -50,14 +50,14 @@ def _run(rank: int, world: int, threads: int, init_method: str, directory: Path,
     from workers.model.fused_projections import fuse_sibling_projections
     from workers.parallel.shard_loop import ShardLoop
     from workers.parallel.sliced_load import load_split_model
-    from workers.parallel.tensor_group import TensorGroup, TensorRank
+    from workers.parallel.tensor_group import ShardLayout, TensorGroup, TensorRank
 
     torch.set_num_threads(threads)
     position = TensorRank(rank, world)
     model = load_split_model(directory, position, torch.float32, "cpu", register_paged_attention())
     fuse_sibling_projections(model)
     cpu = torch.device("cpu")
-    group = TensorGroup(position, init_method, cpu) if world > 1 else None
+    group = TensorGroup(rank, ShardLayout(world), init_method, cpu) if world > 1 else None
     if group is not None and not group.is_driver:
         for _ in batches:
             ShardLoop(model, group, cpu).run()

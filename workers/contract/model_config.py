@@ -167,9 +167,9 @@ class WorkerDeploymentConfig(DeploymentConfig):
 
 
 class ParallelConfig(_Strict):
-    """How one worker replica splits its model (workers/parallel/): tensor parallel, the
-    Megatron way, over `tensor_parallel_size` shards, or pipeline parallel, its layers in
-    `pipeline_parallel_size` stages; each shard a Ray actor in the replica's placement group
+    """How one worker replica splits its model (workers/parallel/): its layers in
+    `pipeline_parallel_size` stages, each stage split the Megatron way over
+    `tensor_parallel_size` shards; each shard a Ray actor in the replica's placement group
     (the replica itself is shard 0). On cpu the replica's `ray_actor_options.num_cpus` is
     split evenly over its shards; on cuda each shard takes one GPU."""
 
@@ -178,9 +178,11 @@ class ParallelConfig(_Strict):
         "divide the attention heads, KV heads and intermediate size; Llama, Mistral, Qwen2 and Qwen3 models)")
     pipeline_parallel_size: int = Field(
         1, ge=1, le=64, description="layer stages one replica splits the model into (one step in the pipeline at "
-        "a time: room for a larger model, not speed; not with tensor_parallel_size > 1 yet)")
+        "a time: room for a larger model, not speed), each of tensor_parallel_size shards")
     placement_group_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
-        "STRICT_PACK", description="how Ray places the shards' bundles: STRICT_PACK keeps a tensor group on one node")
+        "STRICT_PACK", description="how Ray places the shards' bundles: STRICT_PACK keeps the replica on one node; "
+        "PACK lets it spill to other nodes (bundles are in shard order, a stage's tensor shards consecutive, so "
+        "PACK tends to keep a stage on one node, but Ray does not promise it)")
 
     @property
     def shards(self) -> int:
@@ -302,13 +304,9 @@ class ModelConfig(_Strict):
         return self
 
     def _check_parallel(self, gpus: float) -> None:
-        tp, stages = self.parallel.tensor_parallel_size, self.parallel.pipeline_parallel_size
         if self.parallel.shards == 1:
             return
         where = f"parallel.{self.parallel.split_field}"
-        if tp > 1 and stages > 1:
-            raise ValueError("parallel.pipeline_parallel_size: tensor and pipeline parallelism together are not "
-                             "built yet; set one of tensor_parallel_size and pipeline_parallel_size to 1")
         if self.lora is not None:
             raise ValueError(f"{where}: LoRA adapters on a split model are not built yet; unset lora or use 1")
         if not self.engine.direct_forward:

@@ -53,10 +53,11 @@ def split_problem(config: Any, world: int, kinds: list[str] | None = None) -> st
     return None
 
 
-def local_split_problem(source: str, world: int, stages: int = 1) -> str | None:
+def local_split_problem(source: str, world: int, stages: int = 1) -> tuple[str, str] | None:
     """`split_problem` for a transformers directory on this machine (split over `world`
-    tensor shards, or `stages` pipeline stages); None when `source` is not one (a GGUF file
-    or the built-in model: the worker checks it when it loads it)."""
+    tensor shards in each of `stages` pipeline stages), as the parallel field at fault and
+    the reason; None when there is none, or when `source` is not such a directory (a GGUF
+    file or the built-in model: the worker checks it when it loads it)."""
     config_file = Path(source) / "config.json"
     if world * stages == 1 or not config_file.is_file():
         return None
@@ -65,7 +66,9 @@ def local_split_problem(source: str, world: int, stages: int = 1) -> str | None:
     except (OSError, ValueError):
         return None
     problem = split_problem(config, world)
+    if problem is not None:
+        return ("tensor_parallel_size" if world > 1 else "pipeline_parallel_size"), problem
     layers = config.get("num_hidden_layers") or 0
-    if problem is None and stages > 1 and stages > layers:
-        problem = f"pipeline_parallel_size {stages} is more than the model's {layers} layers"
-    return problem
+    if stages > 1 and stages > layers:
+        return "pipeline_parallel_size", f"pipeline_parallel_size {stages} is more than the model's {layers} layers"
+    return None

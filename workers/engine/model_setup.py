@@ -17,7 +17,7 @@ from workers.model.runner import ModelRunner
 from workers.model.triton_attention import triton_available
 from workers.parallel.driver import DriverForward
 from workers.parallel.pipeline import StageLayers
-from workers.parallel.shard_loop import shard_kv_shape
+from workers.parallel.shard_loop import shard_kv_shape, stage_forward
 from workers.parallel.tensor_group import TensorGroup
 from workers.sampling.guided import GuidedDecoder
 
@@ -65,7 +65,7 @@ def model_runner(model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.d
     """The runner, with its decode graphs captured when `path` says so (with and without
     LoRA rows when `lora` has slots). `tensor_group`: `model` is this driver's part of a
     split model (workers/parallel/), which the direct forward runs over the group: its
-    tensor shard, or its first pipeline `stage`."""
+    tensor shard, or its first pipeline `stage` (itself split by tensors or not)."""
     runner = ModelRunner(model, kv_cache, device, triton_decode=path.triton, lora=lora)
     if tensor_group is not None:
         if not path.direct:
@@ -74,7 +74,7 @@ def model_runner(model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.d
         if stage is None:
             runner.direct = DriverForward(DirectForward(model, tensor_group), tensor_group)
         else:
-            runner.direct = DriverForward(DirectForward(model, layers=stage.layers), tensor_group, stage)
+            runner.direct = DriverForward(stage_forward(model, tensor_group, stage), tensor_group, stage)
     elif path.direct:  # never with LoRA (decode_path)
         runner.direct = direct_forward_for(model)
     if path.graphs:

@@ -3,7 +3,10 @@
 The driver (stage 0) sends every shard the step (step_message.py), embeds the tokens, runs
 its layers and sends the hidden states on; each later stage receives them, runs its
 layers and sends them on; the last stage applies the final norm and output head and sends
-the logits back to the driver, which samples. One step is in the pipeline at a time:
+the logits back to the driver, which samples. A stage may itself be split by tensors
+(tensor_group.py's ShardLayout): each of its tensor shards passes the (whole, summed)
+hidden states to the same tensor rank of the next stage, and the last stage gathers its
+logits on its first tensor shard, which sends them. One step is in the pipeline at a time:
 stages idle while the others run (micro-batches in flight are not built yet), so what a
 split buys here is room (each shard holds its layers only), not speed.
 """
@@ -60,8 +63,9 @@ class StageLayers:
 
 
 class PipelineStageForward:
-    """A later stage's part of each step: hidden states in, its layers, hidden states (or,
-    on the last stage, the logits for the driver) out."""
+    """A shard's part of each step other than the driver's: hidden states in (or, on the
+    first stage, the embedded tokens), its layers, hidden states (or, on the last stage,
+    the logits for the driver) out."""
 
     def __init__(self, forward: DirectForward, group: TensorGroup, stage: StageLayers, dtype: torch.dtype) -> None:
         self.forward = forward
@@ -71,13 +75,18 @@ class PipelineStageForward:
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, meta: AttentionMetadata,
                  logits_to_keep: torch.Tensor) -> None:
-        hidden = self.group.receive_tensor((input_ids.shape[1], self.forward.hidden_size), self.dtype,
-                                           self.stage.stage - 1)
-        hidden = self.forward.run_layers(hidden, position_ids, meta)
-        if self.stage.last:
-            self.group.send_tensor(self.forward.head(hidden, logits_to_keep)[0], 0)  # [K, vocab]
+        if self.stage.first:
+            hidden = self.forward.embed_ids(input_ids)
         else:
+            hidden = self.group.receive_tensor((input_ids.shape[1], self.forward.hidden_size), self.dtype,
+                                               self.stage.stage - 1)
+        hidden = self.forward.run_layers(hidden, position_ids, meta)
+        if not self.stage.last:
             self.group.send_tensor(hidden, self.stage.stage + 1)
+            return
+        logits = self.forward.head(hidden, logits_to_keep)  # None on a tensor shard but the first
+        if logits is not None:
+            self.group.send_tensor(logits[0], 0)  # [K, vocab], to the driver
 
 
 def run_first_stage(forward: DirectForward, group: TensorGroup, stage: StageLayers, input_ids: torch.Tensor,

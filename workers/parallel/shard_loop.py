@@ -26,12 +26,18 @@ class KVPlan:
 
 
 def shard_kv_shape(model: nn.Module, world: int, stage: StageLayers | None = None) -> KVCacheShape:
-    """One shard's KV shape: its part of the KV heads (a tensor split over `world`), or a
-    pipeline stage's layers."""
+    """One shard's KV shape: its part of the KV heads (a tensor split over `world`) of its
+    pipeline stage's layers (all, when unsplit by layers)."""
     shape = KVCacheShape.from_model_config(model.config, model.dtype)
+    shape = dataclasses.replace(shape, num_kv_heads=shape.num_kv_heads // world)
     if stage is not None:
-        return dataclasses.replace(shape, num_layers=stage.end - stage.start)
-    return dataclasses.replace(shape, num_kv_heads=shape.num_kv_heads // world)
+        shape = dataclasses.replace(shape, num_layers=stage.end - stage.start)
+    return shape
+
+
+def stage_forward(model: nn.Module, group: TensorGroup, stage: StageLayers) -> DirectForward:
+    """A pipeline stage's layers, over its tensor shards when it has several."""
+    return DirectForward(model, group if group.world > 1 else None, layers=stage.layers)
 
 
 class ShardLoop:
@@ -46,7 +52,7 @@ class ShardLoop:
         if stage is None:
             self.forward = DirectForward(model, group)
         else:
-            self.forward = PipelineStageForward(DirectForward(model, layers=stage.layers), group, stage, model.dtype)
+            self.forward = PipelineStageForward(stage_forward(model, group, stage), group, stage, model.dtype)
         self.steps = 0
 
     @torch.inference_mode()

@@ -1,10 +1,14 @@
-"""A worker replica's tensor-parallel group: its rank, the collectives the sharded forward
-needs, and the step message the driver (rank 0) sends the other shards once a step.
+"""A worker replica's group of shards: where each stands (its pipeline stage and its rank
+among that stage's tensor shards), the collectives the split forward needs, and the step
+message the driver (shard 0) sends the other shards once a step.
 
 The collectives are the Megatron ones: a sum across shards after each row-split product
 (attention's o_proj, the MLP's down_proj), the vocabulary-split embedding (each shard
 looks up the ids in its rows, the rest are zeros, one sum), and the vocabulary-split
-logits gathered to the driver, which alone samples. gloo on CPU, NCCL on CUDA.
+logits gathered to the stage's first shard. They run within one pipeline stage's tensor
+shards (a subgroup when there are several stages); the step message goes to every shard,
+and hidden states pass from each tensor shard to the same rank of the next stage. gloo on
+CPU, NCCL on CUDA.
 """
 
 from __future__ import annotations
@@ -34,6 +38,29 @@ class TensorRank:
         return start, min(vocab_size, start + per)
 
 
+@dataclass(frozen=True)
+class ShardLayout:
+    """A replica's shards: `stages` pipeline stages of `tensor` tensor shards each. Shard
+    r is tensor rank r % tensor of stage r // tensor; shard 0, the driver, is rank 0 of
+    stage 0."""
+
+    tensor: int = 1
+    stages: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.tensor * self.stages
+
+    def position(self, shard: int) -> TensorRank:
+        return TensorRank(shard % self.tensor, self.tensor)
+
+    def stage_of(self, shard: int) -> int:
+        return shard // self.tensor
+
+    def shard_of(self, stage: int, tensor_rank: int) -> int:
+        return stage * self.tensor + tensor_rank
+
+
 def free_init_method(host: str = "127.0.0.1") -> str:
     """A `tcp://host:port` rendezvous on a port free now (rank 0 listens there)."""
     with socket.socket() as probe:
@@ -42,16 +69,31 @@ def free_init_method(host: str = "127.0.0.1") -> str:
 
 
 class TensorGroup:
-    """This process's place in its replica's group (one group per process: torch's default)."""
+    """This process's place in its replica's group (one group per process: torch's
+    default). `rank` and `world` are its place among its stage's tensor shards (what the
+    split and the collectives go by); `shard` its place in the whole replica."""
 
-    def __init__(self, position: TensorRank, init_method: str, device: torch.device,
+    def __init__(self, shard: int, layout: ShardLayout, init_method: str, device: torch.device,
                  timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
-        """Joins the group; returns once every rank has joined (rank 0 hosts the rendezvous)."""
-        self.position = position
+        """Joins the group; returns once every shard has joined (shard 0 hosts the rendezvous)."""
+        self.shard = shard
+        self.layout = layout
+        self.position = layout.position(shard)
+        self.stage = layout.stage_of(shard)
         self.device = device
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=init_method, rank=position.rank, world_size=position.world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(backend, init_method=init_method, rank=shard, world_size=layout.world,
+                                timeout=timeout)
+        self._tensor_group = None  # the whole world: one stage
+        if layout.stages > 1 and layout.tensor > 1:
+            # Every process makes every stage's subgroup, in the same order (torch requires it).
+            for stage in range(layout.stages):
+                ranks = [layout.shard_of(stage, r) for r in range(layout.tensor)]
+                subgroup = dist.new_group(ranks, timeout=timeout)
+                if stage == self.stage:
+                    self._tensor_group = subgroup
+        self._stage_leader = layout.shard_of(self.stage, 0)
 
     @property
     def rank(self) -> int:
@@ -63,15 +105,15 @@ class TensorGroup:
 
     @property
     def is_driver(self) -> bool:
-        return self.position.rank == 0
+        return self.shard == 0
 
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of every shard's `x`, in place."""
-        dist.all_reduce(x)
+        """The sum of this stage's tensor shards' `x`, in place."""
+        dist.all_reduce(x, group=self._tensor_group)
         return x
 
     def embed(self, rows: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -85,23 +127,25 @@ class TensorGroup:
         return self.all_reduce(out)
 
     def gather_logits(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
-        """[K, vocab] on the driver from each shard's columns [K, its part]; None elsewhere."""
+        """[K, vocab] on the stage's tensor rank 0 from each tensor shard's columns [K, its
+        part]; None elsewhere."""
         per = -(-vocab_size // self.world)
         if local.shape[-1] < per:  # the last part is shorter: every shard sends equal shapes
             local = F.pad(local, (0, per - local.shape[-1]))
         local = local.contiguous()
-        parts = [torch.empty_like(local) for _ in range(self.world)] if self.is_driver else None
-        dist.gather(local, parts, dst=0)
+        leader = self.shard == self._stage_leader
+        parts = [torch.empty_like(local) for _ in range(self.world)] if leader else None
+        dist.gather(local, parts, dst=self._stage_leader, group=self._tensor_group)
         return torch.cat(parts, dim=-1)[..., :vocab_size] if parts is not None else None
 
-    def send_tensor(self, x: torch.Tensor, dst: int) -> None:
-        """Pipeline: hidden states (or logits) to shard `dst`."""
-        dist.send(x.contiguous(), dst)
+    def send_tensor(self, x: torch.Tensor, stage: int) -> None:
+        """Pipeline: hidden states (or logits) to this tensor rank's shard of `stage`."""
+        dist.send(x.contiguous(), self.layout.shard_of(stage, self.rank))
 
-    def receive_tensor(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
-        """Pipeline: what shard `src` sends with `send_tensor`."""
+    def receive_tensor(self, shape: tuple[int, ...], dtype: torch.dtype, stage: int) -> torch.Tensor:
+        """Pipeline: what this tensor rank's shard of `stage` sends with `send_tensor`."""
         out = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.recv(out, src)
+        dist.recv(out, self.layout.shard_of(stage, self.rank))
         return out
 
     def send(self, message: object) -> None:

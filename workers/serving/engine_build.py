@@ -15,8 +15,8 @@ from workers.contract.model_config import ModelConfig
 from workers.engine.kv_sizing import sized_engine_limits
 from workers.engine.llm_engine import LLMEngine
 from workers.model.loader import LoadedModel
-from workers.parallel.tensor_group import TensorGroup, TensorRank, free_init_method
-from workers.serving.model_part import load_part
+from workers.parallel.tensor_group import TensorGroup, free_init_method
+from workers.serving.model_part import load_part, shard_layout
 from workers.text.vision_prompts import VisionPromptBuilder
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ def build_engine(config: ModelConfig) -> BuiltEngine:
     init_method = free_init_method(_node_address())
     shards = start_shards(config, init_method)
     loaded, stage = load_part(config, 0)
-    group = TensorGroup(TensorRank(0, world), init_method, device)  # waits for every shard to load and join
+    group = TensorGroup(0, shard_layout(config), init_method, device)  # waits for every shard to load and join
     limits = sized_engine_limits(config, loaded.model, device)
     engine = LLMEngine(loaded.model, eos_token_ids(loaded), limits, device, tokenizer=loaded.tokenizer,
                        tensor_group=group, stage=stage)

@@ -20,7 +20,7 @@ from workers.model.loader import (
 )
 from workers.parallel.pipeline import StageLayers
 from workers.parallel.sliced_load import load_split_model
-from workers.parallel.tensor_group import TensorRank
+from workers.parallel.tensor_group import ShardLayout
 from workers.parallel.tensor_split import TensorSplitError
 from workers.serving.cpu_budget import cpu_budget
 from workers.serving.host_memory import keep_freed_memory
@@ -28,7 +28,7 @@ from workers.serving.host_memory import keep_freed_memory
 
 def load_part(config: ModelConfig, rank: int) -> tuple[LoadedModel, StageLayers | None]:
     """The model, or shard `rank`'s part of it read slice by slice from the checkpoint
-    (workers/parallel/sliced_load.py): its tensor part, or its pipeline stage (returned
+    (workers/parallel/sliced_load.py): its tensor part of its pipeline stage (returned
     too), per `config.parallel`; on this thread's torch threads. A part is fused and packed
     after it is cut. A model the split cannot divide is a ValueError naming the field."""
     set_torch_threads(config)
@@ -36,17 +36,16 @@ def load_part(config: ModelConfig, rank: int) -> tuple[LoadedModel, StageLayers 
         keep_freed_memory()
     attn = register_paged_attention()
     cache_dir = Path(config.cache_dir) if config.cache_dir else None
-    tp, stages = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
-    if config.parallel.shards == 1:
+    layout = shard_layout(config)
+    if layout.world == 1:
         return load_model(config.source, config.device, config.dtype, cache_dir, attn_implementation=attn,
                           pack_cpu_weights=config.pack_cpu_weights, fuse_projections=config.fuse_projections), None
     path = prepare_model_dir(config.source, cache_dir)
     stage = None
-    if stages > 1:
-        stage = StageLayers.of(rank, stages, AutoConfig.from_pretrained(path).num_hidden_layers)
+    if layout.stages > 1:
+        stage = StageLayers.of(layout.stage_of(rank), layout.stages, AutoConfig.from_pretrained(path).num_hidden_layers)
     try:
-        model = load_split_model(path, TensorRank(rank if tp > 1 else 0, tp), _split_dtype(config, path),
-                                 config.device, attn, stage)
+        model = load_split_model(path, layout.position(rank), _split_dtype(config, path), config.device, attn, stage)
     except TensorSplitError as exc:
         raise ValueError(f"model {config.id!r}: parallel.{config.parallel.split_field}: {exc}") from None
     if (path / "generation_config.json").is_file():
@@ -55,6 +54,10 @@ def load_part(config: ModelConfig, rank: int) -> tuple[LoadedModel, StageLayers 
     if config.pack_cpu_weights:
         pack_linear_layers(model)
     return LoadedModel(model=model, tokenizer=AutoTokenizer.from_pretrained(path), path=path), stage
+
+
+def shard_layout(config: ModelConfig) -> ShardLayout:
+    return ShardLayout(config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size)
 
 
 def _split_dtype(config: ModelConfig, path: Path) -> torch.dtype:

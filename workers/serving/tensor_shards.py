@@ -24,38 +24,40 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from workers.contract.model_config import ModelConfig
 from workers.contract.serve_logs import route_to_serve_log
 from workers.parallel.shard_loop import ShardLoop
-from workers.parallel.tensor_group import TensorGroup, TensorRank
+from workers.parallel.tensor_group import TensorGroup
 
 logger = logging.getLogger(__name__)
 
 
 @ray.remote
 class TensorShard:
-    def __init__(self, model_config: dict, rank: int, world: int, init_method: str) -> None:
+    def __init__(self, model_config: dict, shard: int, init_method: str) -> None:
         route_to_serve_log(logging.getLogger("workers"))
         self._error: str | None = None
         self._loop: ShardLoop | None = None
         config = ModelConfig.model_validate(model_config)
-        self._thread = threading.Thread(target=self._run, args=(config, TensorRank(rank, world), init_method),
-                                        name=f"chatserve-shard-{rank}", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(config, shard, init_method),
+                                        name=f"chatserve-shard-{shard}", daemon=True)
         self._thread.start()
 
-    def _run(self, config: ModelConfig, position: TensorRank, init_method: str) -> None:
-        from workers.serving.model_part import (
-            load_part,  # torch and the model code, in the actor only
+    def _run(self, config: ModelConfig, shard: int, init_method: str) -> None:
+        from workers.serving.model_part import (  # torch and the model code, in the actor only
+            load_part,
+            shard_layout,
         )
 
         try:
             started = time.monotonic()
-            loaded, stage = load_part(config, position.rank)
+            loaded, stage = load_part(config, shard)
             device = torch.device(config.device)
-            self._loop = ShardLoop(loaded.model, TensorGroup(position, init_method, device), device, stage)
-            logger.info("shard %d of %d of %s ready in %.1f s, peak RSS %.0f MiB", position.rank, position.world,
+            layout = shard_layout(config)
+            self._loop = ShardLoop(loaded.model, TensorGroup(shard, layout, init_method, device), device, stage)
+            logger.info("shard %d of %d of %s ready in %.1f s, peak RSS %.0f MiB", shard, layout.world,
                         config.id, time.monotonic() - started, peak_rss_mib())
             self._loop.run()
             self._error = "the driver stopped the shard"
         except BaseException as exc:  # noqa: BLE001 - reported by alive(), which fails the replica's health check
-            logger.exception("shard %d of %s failed", position.rank, config.id)
+            logger.exception("shard %d of %s failed", shard, config.id)
             self._error = f"{type(exc).__name__}: {exc}"
 
     def alive(self) -> str | None:
@@ -83,5 +85,5 @@ def start_shards(config: ModelConfig, init_method: str) -> list[ray.actor.ActorH
         options = dict(resources)
         if group is not None:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank)
-        shards.append(TensorShard.options(**options).remote(config.model_dump(), rank, world, init_method))
+        shards.append(TensorShard.options(**options).remote(config.model_dump(), rank, init_method))
     return shards

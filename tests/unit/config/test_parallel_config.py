@@ -35,6 +35,12 @@ def test_a_pipeline_replica_takes_one_bundle_a_stage():
     assert options["placement_group_strategy"] == "SPREAD"
 
 
+def test_a_replica_split_both_ways_takes_one_bundle_a_shard_of_every_stage():
+    options = model(parallel={"pipeline_parallel_size": 2, "tensor_parallel_size": 2},
+                    deployment={"ray_actor_options": {"num_cpus": 2}}).worker_serve_options()
+    assert options["placement_group_bundles"] == [{"CPU": 0.5}] * 4
+
+
 def test_a_split_gpu_replica_takes_one_gpu_a_shard():
     options = model(device="cuda", parallel={"tensor_parallel_size": 4, "placement_group_strategy": "PACK"},
                     engine={"kv_cache_memory_gib": 8},
@@ -44,7 +50,6 @@ def test_a_split_gpu_replica_takes_one_gpu_a_shard():
 
 
 @pytest.mark.parametrize(("fields", "message"), [
-    ({"parallel": {"pipeline_parallel_size": 2, "tensor_parallel_size": 2}}, "together are not built yet"),
     ({"parallel": {"pipeline_parallel_size": 2}, "lora": {}}, "LoRA adapters on a split model"),
     ({"parallel": {"tensor_parallel_size": 2}, "lora": {}}, "LoRA adapters on a split model"),
     ({"parallel": {"tensor_parallel_size": 2}, "engine": {"direct_forward": False}}, "direct_forward: true"),
@@ -92,4 +97,8 @@ def test_more_stages_than_layers_is_named_at_start(tmp_path):
     config = parse_app_config({"models": [{"id": "m", "source": str(tmp_path), "parallel": {"pipeline_parallel_size": 3}}]})
     with pytest.raises(ConfigError, match=r"models\.0\.parallel\.pipeline_parallel_size: pipeline_parallel_size 3 is "
                        r"more than the model's 2 layers"):
+        check_placement(config, [])
+    both = {"pipeline_parallel_size": 2, "tensor_parallel_size": 3}
+    config = parse_app_config({"models": [{"id": "m", "source": str(tmp_path), "parallel": both}]})
+    with pytest.raises(ConfigError, match=r"models\.0\.parallel\.tensor_parallel_size: tensor_parallel_size 3 "):
         check_placement(config, [])

@@ -1,4 +1,5 @@
-"""Tensor parallelism (workers/parallel/): a model split over two gloo shards gives what
+"""Tensor and pipeline parallelism (workers/parallel/): a model split over gloo shards (two
+tensor shards, two pipeline stages, or two stages of two tensor shards each) gives what
 the whole model gives on one process: the same greedy tokens with log-probabilities within
 float tolerance, through chunked prefill, prefix-cache hits, packed weights, a Qwen3
 model's head norms, a seeded n=2 request and a JSON-schema row; and the split refuses
@@ -13,13 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.support.tensor_parallel import (
-    CASES,
-    PIPELINE_CASES,
-    reference,
-    run_rank,
-    split_model,
-)
+from tests.support.tensor_parallel import SPLITS, reference, run_rank, split_model
 from tests.unit.model.test_direct_forward import llama, qwen3_head_norms
 from tests.unit.model.test_model_families import gemma2
 from workers.contract.model_shape import split_problem
@@ -28,16 +23,14 @@ from workers.parallel.sliced_load import load_split_model
 from workers.parallel.tensor_group import TensorRank, free_init_method
 from workers.parallel.tensor_split import TensorSplitError
 
-WORLD = 2
 
-
-def _split_outputs(pipeline: bool = False) -> dict[str, dict]:
-    cases = PIPELINE_CASES if pipeline else CASES
+def _split_outputs(split: str) -> dict[str, dict]:
+    layout, cases = SPLITS[split]
     context = mp.get_context("spawn")
     results = context.Queue()
     init_method = free_init_method()
-    ranks = [context.Process(target=run_rank, args=(rank, WORLD, init_method, results, pipeline))
-             for rank in range(WORLD)]
+    ranks = [context.Process(target=run_rank, args=(shard, split, init_method, results))
+             for shard in range(layout.world)]
     for process in ranks:
         process.start()
     outputs: dict[str, dict] = {}
@@ -57,19 +50,19 @@ def _split_outputs(pipeline: bool = False) -> dict[str, dict]:
     return outputs
 
 
-@pytest.mark.parametrize("pipeline", [False, True], ids=["tensor", "pipeline"])
-def test_two_shards_give_the_whole_models_tokens_and_logprobs(pipeline):
-    split = _split_outputs(pipeline)
-    for case in PIPELINE_CASES if pipeline else CASES:
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_a_split_model_gives_the_whole_models_tokens_and_logprobs(split):
+    outputs = _split_outputs(split)
+    for case in SPLITS[split][1]:
         name = case[0]
-        want, got = reference(case), split[name]
+        want, got = reference(case), outputs[name]
         assert want["hit_tokens"] > 0 and got["hit_tokens"] == want["hit_tokens"], name
         for w, g in zip(want["greedy"], got["greedy"], strict=True):
             assert [t for t, _ in g] == [t for t, _ in w], name
             assert max(abs(a - b) for (_, a), (_, b) in zip(g, w)) < 1e-4, name
         assert got["n2"] == want["n2"] and len(got["n2"]) == 2, name
         assert got.get("guided") == want.get("guided"), name
-    guided = split["pp-llama-tokenizer-guided" if pipeline else "llama-tokenizer-guided"]["guided"]
+    guided = next(value["guided"] for name, value in outputs.items() if name.endswith("tokenizer-guided"))
     assert guided, "the guided row produced tokens"
 
 
@@ -138,3 +131,22 @@ def test_a_stage_reads_only_its_layers_of_a_checkpoint(tmp_path):
             assert torch.equal(param, whole[name]), name
         else:
             assert param.is_meta, name  # never read
+
+
+def test_a_shard_of_a_model_split_both_ways_loads_its_stages_part(tmp_path):
+    """Shard 3 of two stages of two tensor shards: tensor rank 1 of the last stage."""
+    from workers.contract.model_config import ModelConfig
+    from workers.serving.model_part import load_part
+
+    model = qwen3_head_norms()
+    model.save_pretrained(tmp_path)
+    config = ModelConfig(id="m", source=str(tmp_path), dtype="float32", pack_cpu_weights=False,
+                         parallel={"tensor_parallel_size": 2, "pipeline_parallel_size": 2})
+    loaded, stage = load_part(config, 3)
+    assert stage == StageLayers.of(1, 2, model.config.num_hidden_layers)
+    cut = copy.deepcopy(model)
+    split_model(cut, TensorRank(1, 2))
+    want = dict(cut.state_dict())
+    layer = f"model.layers.{stage.start}.self_attn.o_proj.weight"
+    assert torch.equal(loaded.model.get_parameter(layer), want[layer])
+    assert loaded.model.get_parameter("model.layers.0.self_attn.o_proj.weight").is_meta
