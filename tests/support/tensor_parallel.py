@@ -15,11 +15,16 @@ from tests.support.engines import make_engine, run_to_completion, tokens_by_choi
 from tests.support.tiny_models import build_tiny_llama, build_tokenizer
 from tests.unit.model.test_direct_forward import _with_vectors, llama, qwen3_head_norms
 from tests.unit.model.test_model_families import SHAPE, prompts
+from workers.contract.lora import LoraRequest
 from workers.contract.model_shape import SplitShape, split_problem
 from workers.contract.sampling_params import GuidedDecoding, SamplingParams
+from workers.core.limits import LoraLimits
+from workers.lora.manager import LORA_TARGETS
+from workers.lora.peft_files import LoraAdapter, LoraModule
 from workers.model.attention import register_paged_attention
 from workers.model.cpu_linear import pack_linear_layers
 from workers.model.fused_projections import fuse_sibling_projections
+from workers.parallel import micro_batches
 from workers.parallel.pipeline import StageLayers
 from workers.parallel.shard_loop import ShardLoop
 from workers.parallel.tensor_group import ShardLayout, TensorGroup, TensorRank
@@ -102,9 +107,38 @@ def prepared_part(model, position: TensorRank, pack: bool):
     return model
 
 
-def workload(engine, tokenizer) -> dict:
+def random_adapters(model: torch.nn.Module, count: int = 2, rank: int = 4) -> list[LoraAdapter]:
+    """`count` adapters of the whole `model` (before any cut), on every LoRA target of
+    every layer, with random A and B of a size that moves the greedy tokens."""
+    generator = torch.Generator().manual_seed(11)
+    adapters = []
+    for index in range(count):
+        modules = {}
+        for name, module in model.named_modules():
+            if name.rsplit(".", 1)[-1] in LORA_TARGETS and isinstance(module, torch.nn.Linear):
+                modules[name] = LoraModule(torch.randn(rank, module.in_features, generator=generator) * 0.3,
+                                           torch.randn(module.out_features, rank, generator=generator) * 0.3)
+        adapters.append(LoraAdapter(LoraRequest.of(f"adapter-{index}", f"/in-memory/{index}"), modules))
+    return adapters
+
+
+def lora_rows(engine, adapters: list[LoraAdapter]) -> list[list[tuple[int, float]]]:
+    """Greedy rows over two adapters and the base in one batch, and one alone later (its
+    adapter written into a slot again after the other took it: one slot fewer than adapters)."""
+    for adapter in adapters:
+        engine.add_lora(adapter)
+    batch = prompts()
+    keys = [adapters[0].key, None, adapters[1].key, adapters[0].key]
+    ids = [engine.add_request(batch[i], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0),
+                              lora=keys[i]) for i in range(4)]
+    events = run_to_completion(engine)
+    return [[(e.token_id, e.logprob) for e in events[i]] for i in ids]
+
+
+def workload(engine, tokenizer, adapters: list[LoraAdapter] | None = None) -> dict:
     """Greedy rows (one alone first, so a later one hits its prefix in the cache), a seeded
-    n=2 request, and a JSON-schema row when there is a tokenizer: every token and logprob."""
+    n=2 request, a JSON-schema row when there is a tokenizer, and rows over LoRA adapters
+    when given: every token and logprob."""
     batch, max_tokens = prompts(), [12, 14, 9, 10]
     out: dict = {"greedy": []}
     for rows in ([0], [1, 2, 3]):
@@ -120,36 +154,45 @@ def workload(engine, tokenizer) -> dict:
         request = engine.add_request(tokenizer.encode("Name and age:"), guided)
         out["guided"] = [e.token_id for e in run_to_completion(engine)[request]]
     out["hit_tokens"] = engine.blocks.hit_tokens
+    if adapters:
+        out["lora"] = lora_rows(engine, adapters)
     return out
 
 
 def engine_for(model, budget: int, tokenizer=None, group: TensorGroup | None = None,
-               stage: StageLayers | None = None):
+               stage: StageLayers | None = None, lora: bool = False):
+    """`lora`: with one LoRA slot fewer than the adapters random_adapters makes, of rank 4."""
+    limits = LoraLimits(max_loras=1, max_rank=4) if lora else None
     return make_engine(model, num_blocks=64, max_num_batched_tokens=budget, tokenizer=tokenizer, tensor_group=group,
-                       stage=stage)
+                       stage=stage, lora=limits)
 
 
-def reference(case) -> dict:
+def reference(case, lora: bool = False) -> dict:
     name, build, budget, pack = case
     model, tokenizer = build()
-    return workload(engine_for(prepared_part(model, TensorRank(0, 1), pack), budget, tokenizer), tokenizer)
+    adapters = random_adapters(model) if lora else None
+    engine = engine_for(prepared_part(model, TensorRank(0, 1), pack), budget, tokenizer, lora=lora)
+    return workload(engine, tokenizer, adapters)
 
 
 def run_rank(shard: int, split: str, init_method: str, results) -> None:
     """One spawned process: every case of `split` (a key of SPLITS) in turn, on one group."""
     try:
         torch.set_num_threads(1)
+        micro_batches.MIN_MICRO_BATCH_TOKENS = 1  # so that these small steps are cut too
         layout, cases = SPLITS[split]
         group = TensorGroup(shard, layout, init_method, CPU, timeout_s=60)
+        lora = layout.stages == 1  # LoRA on tensor shards (not on pipeline stages yet)
         for name, build, budget, pack in cases:
             model, tokenizer = build()
             stage = None
             if layout.stages > 1:
                 stage = StageLayers.of(group.stage, layout.stages, model.config.num_hidden_layers)
+            adapters = random_adapters(model) if lora else None
             part = prepared_part(model, group.position, pack)
             if group.is_driver:
-                engine = engine_for(part, budget, tokenizer, group, stage)
-                results.put((name, workload(engine, tokenizer)))
+                engine = engine_for(part, budget, tokenizer, group, stage, lora)
+                results.put((name, workload(engine, tokenizer, adapters)))
                 engine.close()
             else:
                 ShardLoop(part, group, CPU, stage).run()

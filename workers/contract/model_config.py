@@ -177,8 +177,9 @@ class ParallelConfig(_Strict):
         1, ge=1, le=64, description="shards one replica splits the model's heads, MLP and vocabulary over (it must "
         "divide the attention heads, KV heads and intermediate size; Llama, Mistral, Qwen2 and Qwen3 models)")
     pipeline_parallel_size: int = Field(
-        1, ge=1, le=64, description="layer stages one replica splits the model into (one step in the pipeline at "
-        "a time: room for a larger model, not speed), each of tensor_parallel_size shards")
+        1, ge=1, le=64, description="layer stages one replica splits the model into, each of tensor_parallel_size "
+        "shards (one step in the pipeline at a time; a step of 256 tokens or more runs through the stages in "
+        "micro-batches, so they overlap)")
     placement_group_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
         "STRICT_PACK", description="how Ray places the shards' bundles: STRICT_PACK keeps the replica on one node; "
         "PACK lets it spill to other nodes (bundles are in shard order, a stage's tensor shards consecutive, so "
@@ -307,8 +308,9 @@ class ModelConfig(_Strict):
         if self.parallel.shards == 1:
             return
         where = f"parallel.{self.parallel.split_field}"
-        if self.lora is not None:
-            raise ValueError(f"{where}: LoRA adapters on a split model are not built yet; unset lora or use 1")
+        if self.lora is not None and self.parallel.pipeline_parallel_size > 1:
+            raise ValueError("parallel.pipeline_parallel_size: LoRA adapters on a model split in pipeline stages are "
+                             "not built yet; unset lora or use 1 (tensor_parallel_size may be more)")
         if not self.engine.direct_forward:
             raise ValueError(f"{where}: a split model runs the direct forward; set engine.direct_forward: true")
         if self.device == "cuda" and gpus != 1:

@@ -12,7 +12,7 @@ import torch
 
 from workers.contract.grammar import GuidedDecodingError
 from workers.contract.sampling_params import SamplingParams
-from workers.core.adapter_slots import AdapterSlots, NoAdapters
+from workers.core.adapter_slots import AdapterSlots
 from workers.core.batch import ScheduledBatch
 from workers.core.events import TokenEvent, token_events
 from workers.core.images import ImageInputs
@@ -29,6 +29,7 @@ from workers.engine.engine_info import (
     queued_prompt_tokens,
 )
 from workers.engine.model_setup import (
+    adapter_slots,
     decode_path,
     guided_decoder,
     kv_pool,
@@ -42,7 +43,6 @@ from workers.engine.resume import (
 )
 from workers.engine.scheduler import Scheduler, SchedulerConfig
 from workers.engine.step_recovery import StepRecovery
-from workers.lora.manager import LoraManager
 from workers.model.cuda_graphs import DecodeGraphs
 from workers.model.kv_cache import PagedKVCache
 from workers.parallel.pipeline import StageLayers
@@ -77,12 +77,12 @@ class LLMEngine:
         self.vocab_size = model.config.vocab_size if tensor_group else model.get_output_embeddings().weight.shape[0]
         shape, num_blocks = kv_pool(model, limits, tensor_group.world if tensor_group else 1, stage)
         if tensor_group is not None:
-            tensor_group.send(KVPlan(num_blocks, limits.block_size))
+            tensor_group.send(KVPlan(num_blocks, limits.block_size, limits.lora))
         path = decode_path(device, limits, split=tensor_group is not None)
         self.kv_cache = PagedKVCache(shape, num_blocks, limits.block_size, device, padding_block=path.graphs)
         self.blocks = BlockManager(num_blocks, limits.block_size, limits.enable_prefix_caching)
         # Before the runner: its CUDA graphs capture the LoRA layers too.
-        self.lora: AdapterSlots = LoraManager(model, limits.lora) if limits.lora is not None else NoAdapters()
+        self.lora: AdapterSlots = adapter_slots(model, limits, tensor_group, stage)
         self.scheduler = Scheduler(
             SchedulerConfig(limits.max_num_seqs, limits.max_num_batched_tokens,
                             limits.max_prefill_tokens_while_decoding, limits.priority_scheduling),

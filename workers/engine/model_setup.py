@@ -10,6 +10,7 @@ import torch
 
 from workers.core.adapter_slots import AdapterSlots, NoAdapters
 from workers.core.limits import EngineLimits
+from workers.lora.manager import LoraManager
 from workers.model.cuda_graphs import DecodeGraphs
 from workers.model.direct_forward import DirectForward, direct_forward_for
 from workers.model.kv_cache import KVCacheShape, PagedKVCache
@@ -17,7 +18,7 @@ from workers.model.runner import ModelRunner
 from workers.model.triton_attention import triton_available
 from workers.parallel.driver import DriverForward
 from workers.parallel.pipeline import StageLayers
-from workers.parallel.shard_loop import shard_kv_shape, stage_forward
+from workers.parallel.shard_loop import shard_kv_shape, shard_lora, stage_forward
 from workers.parallel.tensor_group import TensorGroup
 from workers.sampling.guided import GuidedDecoder
 
@@ -55,8 +56,21 @@ def decode_path(device: torch.device, limits: EngineLimits, split: bool = False)
         use_graphs = False
     # CPU only: what it saves is Python and dispatch time, which CUDA graphs already
     # take out of a GPU's decode steps (and it has not been measured on a GPU).
-    direct = (device.type == "cpu" or split) and limits.direct_forward and limits.lora is None
+    direct = (device.type == "cpu" or split) and limits.direct_forward
     return DecodePath(triton_decode, use_graphs, direct)
+
+
+def adapter_slots(model: torch.nn.Module, limits: EngineLimits, tensor_group: TensorGroup | None = None,
+                  stage: StageLayers | None = None) -> AdapterSlots:
+    """The model's LoRA layers and slots when `limits.lora` is set (on a tensor shard's part
+    of a split model, they hold that part of each adapter)."""
+    if limits.lora is None:
+        return NoAdapters()
+    if tensor_group is None:
+        return LoraManager(model, limits.lora)
+    if stage is not None:
+        raise ValueError("LoRA adapters on a model split in pipeline stages are not built")
+    return shard_lora(model, limits.lora, tensor_group)
 
 
 def model_runner(model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device, path: DecodePath,
@@ -70,11 +84,15 @@ def model_runner(model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.d
     if tensor_group is not None:
         if not path.direct:
             raise ValueError("a model split over a tensor-parallel group runs the direct forward only "
-                             "(engine.direct_forward is off, or LoRA is on)")
+                             "(engine.direct_forward is off)")
         if stage is None:
-            runner.direct = DriverForward(DirectForward(model, tensor_group), tensor_group)
+            driver = DriverForward(DirectForward(model, tensor_group), tensor_group)
         else:
-            runner.direct = DriverForward(stage_forward(model, tensor_group, stage), tensor_group, stage)
+            driver = DriverForward(stage_forward(model, tensor_group, stage), tensor_group, stage)
+        if isinstance(lora, LoraManager):  # the shards write each adapter and run each step's rows too
+            driver.lora_context = lora.context
+            lora.on_load = driver.record_lora_load
+        runner.direct = driver
     elif path.direct:  # never with LoRA (decode_path)
         runner.direct = direct_forward_for(model)
     if path.graphs:

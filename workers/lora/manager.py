@@ -7,6 +7,7 @@ asks it for a step's runs); `check` reads only fixed shapes, so any thread may c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
@@ -48,8 +49,15 @@ class LoraTarget:
 class LoraManager:
     """The engine's AdapterSlots (workers/core/adapter_slots.py) when the model serves adapters."""
 
-    def __init__(self, model: nn.Module, limits: LoraLimits) -> None:
+    def __init__(self, model: nn.Module, limits: LoraLimits,
+                 part: Callable[[LoraAdapter], LoraAdapter] | None = None) -> None:
+        """`part`: `model` is a tensor shard's part of a model, and this cuts an adapter
+        of the whole model to that part (workers/parallel/lora_split.py)."""
         self.limits = limits
+        self.part = part
+        # Called with the whole adapter each time one is written into a slot (the driver of
+        # a split model passes it on to the other shards, which write their parts).
+        self.on_load: Callable[[int, LoraAdapter], None] | None = None
         self.context = LoraContext()
         self.targets = wrap_targets(model, limits, self.context)
         if not self.targets:
@@ -69,7 +77,7 @@ class LoraManager:
         if adapter.rank > self.limits.max_rank:
             raise LoraAdapterError(f"LoRA adapter {adapter.name!r}: rank {adapter.rank} is above this model's "
                                    f"max_lora_rank {self.limits.max_rank}")
-        for module, weights in adapter.modules.items():
+        for module, weights in self._part_of(adapter).modules.items():
             target = self.targets.get(module)
             if target is None:
                 raise LoraAdapterError(f"LoRA adapter {adapter.name!r} adapts {module!r}, which is not a LoRA "
@@ -121,13 +129,22 @@ class LoraManager:
             seq.lora_slot = None
 
     def _load(self, slot: int, adapter: LoraAdapter) -> None:
+        if self.on_load is not None:
+            self.on_load(slot, adapter)
+        self.load_slot(slot, adapter)
+
+    def load_slot(self, slot: int, adapter: LoraAdapter) -> None:
+        """Write `adapter` (of the whole model: cut here when this is a part) into `slot`."""
         by_layer: dict[LoraLinear, dict[int, LoraModule]] = {}
-        for module, weights in adapter.modules.items():
+        for module, weights in self._part_of(adapter).modules.items():
             target = self.targets[module]
             by_layer.setdefault(target.layer, {})[target.part] = weights
         for layer in dict.fromkeys(t.layer for t in self.targets.values()):
             parts = by_layer.get(layer, {})
             layer.load_slot(slot, {p: (w.a, w.b) for p, w in parts.items()})
+
+    def _part_of(self, adapter: LoraAdapter) -> LoraAdapter:
+        return adapter if self.part is None else self.part(adapter)
 
     # --- steps (the model runner's side) --------------------------------------------------
 

@@ -70,7 +70,10 @@ FAMILIES = {
     "Qwen2ForCausalLM": "Qwen2RMSNorm",
     "Qwen3ForCausalLM": "Qwen3RMSNorm",
 }
-HEAD_NORMS = {"Qwen3ForCausalLM"}  # families whose attention norms q and k per head before the rotation
+HEAD_NORMS = {"Qwen3ForCausalLM"}
+# The products the forward calls as modules: a LoraLinear adds each row's adapter delta
+# (workers/lora/layers.py), from the step the model runner sets around the call.
+LINEAR_KINDS = ("Linear", "PackedLinear", "LoraLinear")  # families whose attention norms q and k per head before the rotation
 
 
 @dataclass(frozen=True)
@@ -119,9 +122,9 @@ def unsupported_reason(model: nn.Module) -> str | None:
             return f"layer {index}'s q/k/v projections are not fused"
         if not all(isinstance(getattr(mlp, name), ProjectionSlice) for name in ("gate_proj", "up_proj")):
             return f"layer {index}'s gate/up projections are not fused"
-        if type(attn.o_proj).__name__ not in ("Linear", "PackedLinear"):
+        if type(attn.o_proj).__name__ not in LINEAR_KINDS:
             return f"layer {index}'s o_proj is a {type(attn.o_proj).__name__}"
-        if type(mlp.down_proj).__name__ not in ("Linear", "PackedLinear"):
+        if type(mlp.down_proj).__name__ not in LINEAR_KINDS:
             return f"layer {index}'s down_proj is a {type(mlp.down_proj).__name__}"
     return None
 

@@ -72,25 +72,24 @@ class ModelRunner:
             if decode_token_ids is not None:
                 decode_token_ids = decode_token_ids[torch.tensor(order, device=decode_token_ids.device)]
         inputs = self.prepare(decodes, prefills, decode_token_ids)
-        if self.direct is not None and inputs.image_embeds is None:  # never with LoRA: no row order to undo
+        with self.lora.step(decodes, prefills):
+            logits = self._logits(inputs)
+        if order is not None:
+            logits[: len(order)] = logits[: len(order)][_inverse(order, logits.device)]
+        return logits, inputs.prompt_rows
+
+    def _logits(self, inputs: ModelInputs) -> torch.Tensor:
+        """The kept rows' logits [K, vocab] in float32, by the direct forward where it runs."""
+        if self.direct is not None and inputs.image_embeds is None:
             logits = self.direct(inputs.input_ids, inputs.position_ids, inputs.attn_metadata, inputs.logits_indices)
-            return logits[0].float(), inputs.prompt_rows
+            return logits[0].float()
         if inputs.image_embeds is None:
             feed = {"input_ids": inputs.input_ids}
         else:
             feed = {"inputs_embeds": self._embeds_with_images(inputs)}
-        with self.lora.step(decodes, prefills):
-            out = self.model(
-                **feed,
-                position_ids=inputs.position_ids,
-                attn_metadata=inputs.attn_metadata,
-                logits_to_keep=inputs.logits_indices,
-                use_cache=False,
-            )
-        logits = out.logits[0].float()
-        if order is not None:
-            logits[: len(order)] = logits[: len(order)][_inverse(order, logits.device)]
-        return logits, inputs.prompt_rows
+        out = self.model(**feed, position_ids=inputs.position_ids, attn_metadata=inputs.attn_metadata,
+                         logits_to_keep=inputs.logits_indices, use_cache=False)
+        return out.logits[0].float()
 
     def encode_images(self, images: ImageInputs) -> ImageFeatures:
         return encode_images(self.model, images, self.device)

@@ -8,6 +8,8 @@ from collections.abc import Callable
 
 import torch
 
+from workers.lora.layers import LoraContext
+from workers.lora.peft_files import LoraAdapter
 from workers.model.attention import AttentionMetadata
 from workers.model.direct_forward import DirectForward
 from workers.parallel.pipeline import StageLayers, run_first_stage
@@ -34,16 +36,24 @@ class DriverForward:
         # so that its requests' streams break and resume on another replica.
         self.on_lost: Callable[[BaseException], None] | None = None
         self._copies: list[tuple[int, int]] = []
+        self._lora_loads: list[tuple[int, LoraAdapter]] = []
+        self.lora_context: LoraContext | None = None  # the driver's LoRA layers' context, when it has them
 
     def record_copies(self, pairs: list[tuple[int, int]]) -> None:
         """KV blocks the driver copied in its pool: every shard copies them in its own before the next step."""
         self._copies.extend(pairs)
 
+    def record_lora_load(self, slot: int, adapter: LoraAdapter) -> None:
+        """An adapter the driver wrote into `slot`: every shard writes its part before the next step."""
+        self._lora_loads.append((slot, adapter))
+
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, meta: AttentionMetadata,
                  logits_to_keep: torch.Tensor) -> torch.Tensor:
         copies, self._copies = self._copies, []
+        loads, self._lora_loads = self._lora_loads, []
+        lora_step = self.lora_context.step if self.lora_context is not None else None
         try:
-            self.group.send(StepMessage.of(input_ids, position_ids, meta, logits_to_keep, copies))
+            self.group.send(StepMessage.of(input_ids, position_ids, meta, logits_to_keep, copies, lora_step, loads))
             if self.stage is not None:
                 return run_first_stage(self.forward, self.group, self.stage, input_ids, position_ids, meta,
                                        logits_to_keep, self.vocab_size)

@@ -3,12 +3,14 @@
 The driver (stage 0) sends every shard the step (step_message.py), embeds the tokens, runs
 its layers and sends the hidden states on; each later stage receives them, runs its
 layers and sends them on; the last stage applies the final norm and output head and sends
-the logits back to the driver, which samples. A stage may itself be split by tensors
-(tensor_group.py's ShardLayout): each of its tensor shards passes the (whole, summed)
-hidden states to the same tensor rank of the next stage, and the last stage gathers its
-logits on its first tensor shard, which sends them. One step is in the pipeline at a time:
-stages idle while the others run (micro-batches in flight are not built yet), so what a
-split buys here is room (each shard holds its layers only), not speed.
+the logits back to the driver, which samples. Each step goes through in micro-batches
+(micro_batches.py), as many as there are stages, so that while a stage runs one
+micro-batch the one before it runs the next; sends do not wait for the receiver. A stage
+may itself be split by tensors (tensor_group.py's ShardLayout): each of its tensor shards
+passes the (whole, summed) hidden states to the same tensor rank of the next stage, and
+the last stage gathers its logits on its first tensor shard, which sends them. One step
+is in the pipeline at a time (the next step's tokens depend on this one's logits): a step
+of one sequence cannot be cut, and its stages run one after another.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from workers.model.attention import AttentionMetadata
 from workers.model.direct_forward import DirectForward
+from workers.parallel.micro_batches import micro_batches
 from workers.parallel.tensor_group import TensorGroup
 
 _LAYER_PREFIX = "model.layers."
@@ -63,9 +66,9 @@ class StageLayers:
 
 
 class PipelineStageForward:
-    """A shard's part of each step other than the driver's: hidden states in (or, on the
-    first stage, the embedded tokens), its layers, hidden states (or, on the last stage,
-    the logits for the driver) out."""
+    """A shard's part of each step other than the driver's, micro-batch by micro-batch:
+    hidden states in (or, on the first stage, the embedded tokens), its layers, hidden
+    states (or, on the last stage, the logits for the driver) out."""
 
     def __init__(self, forward: DirectForward, group: TensorGroup, stage: StageLayers, dtype: torch.dtype) -> None:
         self.forward = forward
@@ -75,25 +78,36 @@ class PipelineStageForward:
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, meta: AttentionMetadata,
                  logits_to_keep: torch.Tensor) -> None:
-        if self.stage.first:
-            hidden = self.forward.embed_ids(input_ids)
-        else:
-            hidden = self.group.receive_tensor((input_ids.shape[1], self.forward.hidden_size), self.dtype,
-                                               self.stage.stage - 1)
-        hidden = self.forward.run_layers(hidden, position_ids, meta)
-        if not self.stage.last:
-            self.group.send_tensor(hidden, self.stage.stage + 1)
-            return
-        logits = self.forward.head(hidden, logits_to_keep)  # None on a tensor shard but the first
-        if logits is not None:
-            self.group.send_tensor(logits[0], 0)  # [K, vocab], to the driver
+        for part in micro_batches(meta, input_ids.shape[1], logits_to_keep, self.stage.stages):
+            if self.stage.first:
+                hidden = self.forward.embed_ids(input_ids[:, part.tokens])
+            else:
+                hidden = self.group.receive_tensor((part.end - part.start, self.forward.hidden_size), self.dtype,
+                                                   self.stage.stage - 1)
+            hidden = self.forward.run_layers(hidden, position_ids[:, part.tokens], part.meta)
+            if not self.stage.last:
+                self.group.send_tensor(hidden, self.stage.stage + 1)
+            elif part.keep.numel():
+                logits = self.forward.head(hidden, part.keep)  # None on a tensor shard but the first
+                if logits is not None:
+                    self.group.send_tensor(logits[0], 0)  # [K, vocab], to the driver
+        self.group.wait_sends()
 
 
 def run_first_stage(forward: DirectForward, group: TensorGroup, stage: StageLayers, input_ids: torch.Tensor,
                     position_ids: torch.Tensor, meta: AttentionMetadata, logits_to_keep: torch.Tensor,
                     vocab_size: int) -> torch.Tensor:
-    """The driver's part of a step: its layers, then the logits [1, K, vocab] from the last stage."""
-    hidden = forward.run_layers(forward.embed_ids(input_ids), position_ids, meta)
-    group.send_tensor(hidden, 1)
-    rows = logits_to_keep.shape[0]
-    return group.receive_tensor((rows, vocab_size), hidden.dtype, stage.stages - 1).unsqueeze(0)
+    """The driver's part of a step: its layers for each micro-batch in turn (each sent on
+    while it runs the next), then the logits [1, K, vocab] from the last stage."""
+    parts = micro_batches(meta, input_ids.shape[1], logits_to_keep, stage.stages)
+    for part in parts:
+        hidden = forward.run_layers(forward.embed_ids(input_ids[:, part.tokens]), position_ids[:, part.tokens],
+                                    part.meta)
+        group.send_tensor(hidden, 1)
+    logits = torch.empty((logits_to_keep.shape[0], vocab_size), dtype=hidden.dtype, device=hidden.device)
+    for part in parts:
+        if part.keep.numel():
+            logits[part.kept_at] = group.receive_tensor((part.keep.shape[0], vocab_size), hidden.dtype,
+                                                        stage.stages - 1)
+    group.wait_sends()
+    return logits.unsqueeze(0)

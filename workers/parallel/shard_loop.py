@@ -5,13 +5,19 @@ sends, until told to stop."""
 from __future__ import annotations
 
 import dataclasses
+from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
 
+from workers.contract.model_shape import SplitShape
+from workers.core.limits import LoraLimits
+from workers.lora.manager import LoraManager
 from workers.model.direct_forward import DirectForward
 from workers.model.kv_cache import KVCacheShape, PagedKVCache
+from workers.parallel.lora_split import cut_adapter
 from workers.parallel.pipeline import PipelineStageForward, StageLayers
 from workers.parallel.step_message import StepMessage
 from workers.parallel.tensor_group import TensorGroup
@@ -19,10 +25,12 @@ from workers.parallel.tensor_group import TensorGroup
 
 @dataclass(frozen=True)
 class KVPlan:
-    """The driver's KV pool, which every shard mirrors with its own KV heads."""
+    """The driver's KV pool, which every shard mirrors with its own KV heads, and its LoRA
+    slots (None: no LoRA layers), which every shard mirrors with its part of the layers."""
 
     num_blocks: int
     block_size: int
+    lora: LoraLimits | None = None
 
 
 def shard_kv_shape(model: nn.Module, world: int, stage: StageLayers | None = None) -> KVCacheShape:
@@ -33,6 +41,11 @@ def shard_kv_shape(model: nn.Module, world: int, stage: StageLayers | None = Non
     if stage is not None:
         shape = dataclasses.replace(shape, num_layers=stage.end - stage.start)
     return shape
+
+
+def shard_lora(model: nn.Module, limits: LoraLimits, group: TensorGroup) -> LoraManager:
+    """LoRA layers over a shard's part of the model, which write their part of each adapter."""
+    return LoraManager(model, limits, partial(cut_adapter, shape=SplitShape.of(model.config), position=group.position))
 
 
 def stage_forward(model: nn.Module, group: TensorGroup, stage: StageLayers) -> DirectForward:
@@ -49,6 +62,8 @@ class ShardLoop:
         self.group = group
         shape = shard_kv_shape(model, group.world, stage)
         self.kv_cache = PagedKVCache(shape, plan.num_blocks, plan.block_size, device)
+        # Before the forward: it calls the LoRA layers where they wrap the projections.
+        self.lora = shard_lora(model, plan.lora, group) if plan.lora is not None else None
         if stage is None:
             self.forward = DirectForward(model, group)
         else:
@@ -63,6 +78,12 @@ class ShardLoop:
             if message is None:
                 return
             self.kv_cache.copy_blocks(message.block_copies)
-            self.forward(message.input_ids, message.position_ids, message.metadata(self.kv_cache),
-                         message.logits_to_keep)
+            step = nullcontext()
+            if self.lora is not None:
+                for slot, adapter in message.lora_loads:
+                    self.lora.load_slot(slot, adapter)
+                step = self.lora.context.active(message.lora_step)
+            with step:
+                self.forward(message.input_ids, message.position_ids, message.metadata(self.kv_cache),
+                             message.logits_to_keep)
             self.steps += 1

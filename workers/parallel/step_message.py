@@ -1,14 +1,17 @@
-"""What the driver sends the other shards each step: the packed model inputs and the KV
-block copies of that step (copy-on-write of shared prefix blocks), so that every shard
-writes and reads the same slots of its own part of the KV pool. Only tensors and a few
+"""What the driver sends the other shards each step: the packed model inputs, the KV block
+copies of that step (copy-on-write of shared prefix blocks), so that every shard writes
+and reads the same slots of its own part of the KV pool, and the step's LoRA rows with the
+adapters written into slots since the last step. Only tensors and a few
 integers cross; each shard rebuilds the attention metadata around its own pool."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from workers.lora.layers import LoraSegments
+from workers.lora.peft_files import LoraAdapter
 from workers.model.attention import AttentionMetadata, PrefillSpan
 from workers.model.kv_cache import PagedKVCache
 
@@ -25,13 +28,17 @@ class StepMessage:
     decode_context_lens: torch.Tensor | None
     prefills: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]]
     block_copies: list[tuple[int, int]]
+    lora_step: LoraSegments | None = None  # the step's rows by adapter slot
+    lora_loads: list[tuple[int, LoraAdapter]] = field(default_factory=list)  # whole adapters written into slots
 
     @classmethod
     def of(cls, input_ids: torch.Tensor, position_ids: torch.Tensor, meta: AttentionMetadata,
-           logits_to_keep: torch.Tensor, block_copies: list[tuple[int, int]]) -> "StepMessage":
+           logits_to_keep: torch.Tensor, block_copies: list[tuple[int, int]], lora_step: LoraSegments | None = None,
+           lora_loads: list[tuple[int, LoraAdapter]] | None = None) -> "StepMessage":
         return cls(input_ids, position_ids, logits_to_keep, meta.slot_mapping, meta.num_decode_tokens,
                    meta.decode_blocks, meta.decode_mask, meta.decode_context_lens,
-                   [(s.start, s.end, s.context_slots, s.mask) for s in meta.prefills], list(block_copies))
+                   [(s.start, s.end, s.context_slots, s.mask) for s in meta.prefills], list(block_copies),
+                   lora_step, list(lora_loads or []))
 
     def metadata(self, kv_cache: PagedKVCache) -> AttentionMetadata:
         return AttentionMetadata(

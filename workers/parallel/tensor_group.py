@@ -94,6 +94,7 @@ class TensorGroup:
                 if stage == self.stage:
                     self._tensor_group = subgroup
         self._stage_leader = layout.shard_of(self.stage, 0)
+        self._sending: list[tuple[dist.Work, torch.Tensor]] = []
 
     @property
     def rank(self) -> int:
@@ -139,8 +140,15 @@ class TensorGroup:
         return torch.cat(parts, dim=-1)[..., :vocab_size] if parts is not None else None
 
     def send_tensor(self, x: torch.Tensor, stage: int) -> None:
-        """Pipeline: hidden states (or logits) to this tensor rank's shard of `stage`."""
-        dist.send(x.contiguous(), self.layout.shard_of(stage, self.rank))
+        """Pipeline: hidden states (or logits) to this tensor rank's shard of `stage`, sent
+        while the caller goes on (`wait_sends` ends the step's sends; `x` is kept till then)."""
+        x = x.contiguous()
+        self._sending.append((dist.isend(x, self.layout.shard_of(stage, self.rank)), x))
+
+    def wait_sends(self) -> None:
+        sending, self._sending = self._sending, []
+        for work, _ in sending:
+            work.wait()
 
     def receive_tensor(self, shape: tuple[int, ...], dtype: torch.dtype, stage: int) -> torch.Tensor:
         """Pipeline: what this tensor rank's shard of `stage` sends with `send_tensor`."""

@@ -37,6 +37,7 @@ def test_one_batch_mixing_three_adapters_and_the_base_equals_peft_merged(
     if fuse:
         fuse_sibling_projections(paged_model)
     engine = _lora_engine(paged_model, adapter_requests)
+    assert (engine.runner.direct is not None) == fuse  # fused siblings: chatserve's own forward runs
     prompts = prompt_ids(tiny_tokenizer)
     names = [None, "all-r4", "attn-r8", "mlp-r2", "all-r4", None, "attn-r8", "mlp-r2"]
     jobs = [(names[i], prompts[i % len(prompts)], 6 + i) for i in range(len(names))]

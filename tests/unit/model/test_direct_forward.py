@@ -152,10 +152,10 @@ def test_models_it_was_not_written_for_keep_transformers_forward():
     assert engine.runner.direct is None
 
 
-def test_off_by_config_and_with_lora():
+def test_off_by_config_and_on_with_lora():
     model = prepared(llama(), pack=False)
     assert make_engine(model, num_blocks=64).runner.direct is not None
     assert make_engine(model, num_blocks=64, direct_forward=False).runner.direct is None
-    # LoRA layers wrap the projections in place: a model of its own.
+    # LoRA layers wrap the projections in place (a model of its own); the forward calls them.
     lora_model = prepared(llama(), pack=False)
-    assert make_engine(lora_model, num_blocks=64, lora=LoraLimits(max_loras=1, max_rank=4)).runner.direct is None
+    assert make_engine(lora_model, num_blocks=64, lora=LoraLimits(max_loras=1, max_rank=4)).runner.direct is not None

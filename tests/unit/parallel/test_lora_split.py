@@ -1,0 +1,48 @@
+"""A LoRA adapter cut for a tensor shard (workers/parallel/lora_split.py): the shards'
+deltas of a column-split layer are the whole delta's columns, those of a row-split layer
+add up to the whole delta; an adapter of another model's sizes is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers.contract.lora import LoraAdapterError, LoraRequest
+from workers.contract.model_shape import SplitShape
+from workers.lora.peft_files import LoraAdapter, LoraModule
+from workers.parallel.lora_split import cut_adapter
+from workers.parallel.tensor_group import TensorRank
+from workers.parallel.tensor_split import cut_for
+
+SHAPE = SplitShape(heads=4, kv_heads=2, head_dim=8, intermediate=48, vocab=100)
+HIDDEN = 32
+Q, O = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj"
+
+
+def adapter(q_out: int = 32) -> LoraAdapter:
+    torch.manual_seed(0)
+    modules = {Q: LoraModule(torch.randn(4, HIDDEN), torch.randn(q_out, 4)),
+               O: LoraModule(torch.randn(4, 32), torch.randn(HIDDEN, 4))}
+    return LoraAdapter(LoraRequest.of("a", "/a"), modules)
+
+
+def test_the_shards_deltas_make_the_whole_delta():
+    whole, x = adapter(), torch.randn(3, HIDDEN)
+    attn_in = torch.randn(3, 32)  # o_proj's input: every head's output
+    parts = [cut_adapter(whole, SHAPE, TensorRank(rank, 2)) for rank in range(2)]
+    q = torch.cat([x @ p.modules[Q].a.t() @ p.modules[Q].b.t() for p in parts], dim=-1)
+    assert torch.allclose(q, x @ whole.modules[Q].a.t() @ whole.modules[Q].b.t(), atol=1e-5)
+    o = sum(attn_in.narrow(1, *_span(O, rank)) @ p.modules[O].a.t() @ p.modules[O].b.t()
+            for rank, p in enumerate(parts))
+    assert torch.allclose(o, attn_in @ whole.modules[O].a.t() @ whole.modules[O].b.t(), atol=1e-4)
+
+
+def test_an_adapter_of_other_sizes_is_refused_by_name():
+    with pytest.raises(LoraAdapterError, match=r"'a': 'model.layers.0.self_attn.q_proj' has 40 output features, "
+                       r"the model's layer 32"):
+        cut_adapter(adapter(q_out=40), SHAPE, TensorRank(0, 2))
+
+
+def _span(name: str, rank: int) -> tuple[int, int]:
+    cut = cut_for(name + ".weight", SHAPE, TensorRank(rank, 2))
+    return cut.start, cut.end - cut.start

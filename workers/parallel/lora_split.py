@@ -1,0 +1,42 @@
+"""A LoRA adapter cut like the layers it adapts on a tensor-parallel shard (tensor_split.py).
+
+A column-split layer (q/k/v, gate/up) keeps its output rows: the adapter's B keeps the
+same rows and A stays whole, so the shard's delta is its columns of the whole delta. A
+row-split layer (o_proj, down_proj) keeps its input columns: A keeps the same columns and B
+stays whole, so the shard's delta is a partial sum, added across shards by the all-reduce
+the base product's partial sum already takes. The driver sends each shard the whole
+adapter once, when it writes it into a slot; each shard cuts its own part.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from workers.contract.lora import LoraAdapterError
+from workers.contract.model_shape import SplitShape
+from workers.lora.peft_files import LoraAdapter, LoraModule
+from workers.parallel.tensor_group import TensorRank
+from workers.parallel.tensor_split import cut_for
+
+
+def cut_adapter(adapter: LoraAdapter, shape: SplitShape, position: TensorRank) -> LoraAdapter:
+    """`adapter`'s part for the shard at `position`; LoraAdapterError (naming the adapter)
+    when a module's whole size is not the model's."""
+    return dataclasses.replace(adapter, modules={name: _cut_module(adapter, name, weights, shape, position)
+                                                 for name, weights in adapter.modules.items()})
+
+
+def _cut_module(adapter: LoraAdapter, name: str, weights: LoraModule, shape: SplitShape,
+                position: TensorRank) -> LoraModule:
+    cut = cut_for(name + ".weight", shape, position)
+    if cut is None:
+        return weights
+    # The cut side of the adapter: B's rows for a column-split layer, A's columns for a row-split one.
+    side = weights.b if cut.dim == 0 else weights.a
+    whole = (cut.end - cut.start) * position.world
+    if side.shape[cut.dim] != whole:
+        raise LoraAdapterError(f"LoRA adapter {adapter.name!r}: {name!r} has {side.shape[cut.dim]} "
+                               f"{'output' if cut.dim == 0 else 'input'} features, the model's layer {whole} "
+                               "(another base model?)")
+    part = side.narrow(cut.dim, cut.start, cut.end - cut.start).contiguous()
+    return LoraModule(weights.a, part) if cut.dim == 0 else LoraModule(part, weights.b)
