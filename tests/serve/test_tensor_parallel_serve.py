@@ -1,8 +1,9 @@
 """A model split under Serve (workers/parallel/: parallel.tensor_parallel_size: 2, and two
-pipeline stages of two tensor shards each): each replica's shards sit in its placement group; the
-OpenAI client streams the same greedy text as the whole model gives; a shard killed
-mid-stream ends its replica, and the stream resumes on the other replica (or on Serve's
-replacement) with no request failed."""
+pipeline stages of two tensor shards each): each replica's shards sit in its placement
+group; the OpenAI client streams the same greedy text as the whole model gives, and a LoRA
+adapter's tokens equal peft's merged model's; a shard killed mid-stream ends its replica,
+and the stream resumes on the other replica (or on Serve's replacement) with no request
+failed."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import pytest
 from ray import serve
 
 from serve_app.app import build_app
+from tests.support.engines import template_ids
+from tests.support.lora_adapters import merged_greedy, merged_model, write_peft_adapter
 from tests.support.serve_fixtures import (
     TINY_MODEL_ID,
     delete_app,
@@ -83,16 +86,24 @@ def resumed(url: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("chatserve_requests_resumed_total"))
 
 
-def test_a_model_in_two_stages_of_two_tensor_shards_streams_the_whole_models_text(serve_instance, tiny_model_dir,
-                                                                                 tiny_app):
-    serve.run(build_app(split_args(tiny_model_dir, 2, 1, stages=2)), name="stages", route_prefix="/stages",
-              blocking=False)
+def test_a_model_in_two_stages_of_two_tensor_shards_streams_the_whole_models_text(
+        serve_instance, tiny_model_dir, tiny_app, tiny_model, tiny_tokenizer, tmp_path):
+    """The same app serves a LoRA adapter: each shard holds its cut of it."""
+    args = split_args(tiny_model_dir, 2, 1, stages=2)
+    adapter = write_peft_adapter(tiny_model, tmp_path / "adapter", seed=31)
+    args["models"][0]["lora"] = {"adapters": {"adapter": str(adapter)}, "max_loras": 1, "max_lora_rank": 4}
+    serve.run(build_app(args), name="stages", route_prefix="/stages", blocking=False)
     url = serve_instance.url("/stages")
     try:
         wait_ready(url, timeout=240)
         want, _ = streamed_text(tiny_app, 40)
         got, finish = streamed_text(url, 40)
         assert got == want and finish == "length"
+        reply = client(url).chat.completions.create(model="adapter", messages=MESSAGES, max_tokens=6, temperature=0,
+                                                    logprobs=True, extra_body={"ignore_eos": True})
+        merged = merged_greedy(merged_model(tiny_model, adapter), template_ids(tiny_tokenizer, MESSAGES[0]["content"]),
+                               6)
+        assert [t.token for t in reply.choices[0].logprobs.content] == [tiny_tokenizer.decode([t]) for t in merged]
     finally:
         delete_app("stages")
 

@@ -95,11 +95,17 @@ def split_model(model: torch.nn.Module, position: TensorRank) -> None:
     sync_module_sizes(model)
 
 
-def prepared_part(model, position: TensorRank, pack: bool):
-    """`model` cut to `position`'s part, fused, packed when asked, on the paged attention
-    (the order the worker loads a part in: workers/serving/model_part.py)."""
+def prepared_part(model, position: TensorRank, pack: bool, stage: StageLayers | None = None):
+    """`model` cut to `position`'s part (of `stage`'s layers: the others' weights on the
+    meta device, as sliced_load.py leaves them), fused, packed when asked, on the paged
+    attention (the order the worker loads a part in: workers/serving/model_part.py)."""
     model = copy.deepcopy(model)
     split_model(model, position)
+    if stage is not None:
+        tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        for name, param in list(model.named_parameters()):
+            if not stage.holds(name, tied):
+                set_parameter(model, name, torch.empty_like(param, device="meta"))
     fuse_sibling_projections(model)
     if pack:
         pack_linear_layers(model, float32=True)
@@ -135,9 +141,25 @@ def lora_rows(engine, adapters: list[LoraAdapter]) -> list[list[tuple[int, float
     return [[(e.token_id, e.logprob) for e in events[i]] for i in ids]
 
 
+def mixed_rows(engine, shared: list[int]) -> list[list[tuple[int, float]]]:
+    """16 greedy prompts of mixed lengths (3 to 40 tokens, some opening with `shared`, whose
+    blocks the cache holds) in one batch: every token and logprob."""
+    generator = torch.Generator().manual_seed(5)
+    vocab = engine.vocab_size
+    batch = []
+    for i in range(16):
+        length = 3 + (i * 7) % 38
+        fresh = torch.randint(3, min(vocab, 300), (length,), generator=generator).tolist()
+        batch.append(shared[:12] + fresh if i % 4 == 0 else fresh)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=0))
+           for p in batch]
+    events = run_to_completion(engine)
+    return [[(e.token_id, e.logprob) for e in events[i]] for i in ids]
+
+
 def workload(engine, tokenizer, adapters: list[LoraAdapter] | None = None) -> dict:
-    """Greedy rows (one alone first, so a later one hits its prefix in the cache), a seeded
-    n=2 request, a JSON-schema row when there is a tokenizer, and rows over LoRA adapters
+    """Greedy rows (one alone first, so a later one hits its prefix in the cache), 16 rows
+    of mixed lengths in one batch, a seeded n=2 request, a JSON-schema row when there is a tokenizer, and rows over LoRA adapters
     when given: every token and logprob."""
     batch, max_tokens = prompts(), [12, 14, 9, 10]
     out: dict = {"greedy": []}
@@ -146,6 +168,7 @@ def workload(engine, tokenizer, adapters: list[LoraAdapter] | None = None) -> di
                                                            ignore_eos=True, logprobs=0)) for i in rows]
         events = run_to_completion(engine)
         out["greedy"] += [[(e.token_id, e.logprob) for e in events[i]] for i in ids]
+    out["mixed"] = mixed_rows(engine, batch[0])
     sampled = engine.add_request(batch[0][:9], SamplingParams(n=2, max_tokens=8, temperature=0.8, seed=7,
                                                               ignore_eos=True))
     out["n2"] = tokens_by_choice(run_to_completion(engine)[sampled])
@@ -182,16 +205,15 @@ def run_rank(shard: int, split: str, init_method: str, results) -> None:
         micro_batches.MIN_MICRO_BATCH_TOKENS = 1  # so that these small steps are cut too
         layout, cases = SPLITS[split]
         group = TensorGroup(shard, layout, init_method, CPU, timeout_s=60)
-        lora = layout.stages == 1  # LoRA on tensor shards (not on pipeline stages yet)
         for name, build, budget, pack in cases:
             model, tokenizer = build()
             stage = None
             if layout.stages > 1:
                 stage = StageLayers.of(group.stage, layout.stages, model.config.num_hidden_layers)
-            adapters = random_adapters(model) if lora else None
-            part = prepared_part(model, group.position, pack)
+            adapters = random_adapters(model)
+            part = prepared_part(model, group.position, pack, stage)
             if group.is_driver:
-                engine = engine_for(part, budget, tokenizer, group, stage, lora)
+                engine = engine_for(part, budget, tokenizer, group, stage, lora=True)
                 results.put((name, workload(engine, tokenizer, adapters)))
                 engine.close()
             else:

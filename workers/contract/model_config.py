@@ -308,9 +308,6 @@ class ModelConfig(_Strict):
         if self.parallel.shards == 1:
             return
         where = f"parallel.{self.parallel.split_field}"
-        if self.lora is not None and self.parallel.pipeline_parallel_size > 1:
-            raise ValueError("parallel.pipeline_parallel_size: LoRA adapters on a model split in pipeline stages are "
-                             "not built yet; unset lora or use 1 (tensor_parallel_size may be more)")
         if not self.engine.direct_forward:
             raise ValueError(f"{where}: a split model runs the direct forward; set engine.direct_forward: true")
         if self.device == "cuda" and gpus != 1:

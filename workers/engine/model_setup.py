@@ -63,14 +63,12 @@ def decode_path(device: torch.device, limits: EngineLimits, split: bool = False)
 def adapter_slots(model: torch.nn.Module, limits: EngineLimits, tensor_group: TensorGroup | None = None,
                   stage: StageLayers | None = None) -> AdapterSlots:
     """The model's LoRA layers and slots when `limits.lora` is set (on a tensor shard's part
-    of a split model, they hold that part of each adapter)."""
+    of a split model, or its first pipeline stage, they hold that part of each adapter)."""
     if limits.lora is None:
         return NoAdapters()
     if tensor_group is None:
         return LoraManager(model, limits.lora)
-    if stage is not None:
-        raise ValueError("LoRA adapters on a model split in pipeline stages are not built")
-    return shard_lora(model, limits.lora, tensor_group)
+    return shard_lora(model, limits.lora, tensor_group, stage)
 
 
 def model_runner(model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device, path: DecodePath,

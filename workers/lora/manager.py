@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -46,20 +47,31 @@ class LoraTarget:
         return end - start, self.layer.in_features
 
 
+class ModelPart(Protocol):
+    """One shard's part of a split model, as its LoRA layers see it (workers/parallel/lora_split.py)."""
+
+    def part(self, adapter: LoraAdapter) -> LoraAdapter:
+        """The adapter of the whole model cut to this shard's part of its layers."""
+
+    def holds(self, module: str) -> bool:
+        """Whether this shard holds the layer of `module` (a pipeline stage holds its own)."""
+
+    def expected(self, module: str) -> tuple[int, int] | None:
+        """A target layer's (out, in) features in a shard's part; None: no target."""
+
+
 class LoraManager:
     """The engine's AdapterSlots (workers/core/adapter_slots.py) when the model serves adapters."""
 
-    def __init__(self, model: nn.Module, limits: LoraLimits,
-                 part: Callable[[LoraAdapter], LoraAdapter] | None = None) -> None:
-        """`part`: `model` is a tensor shard's part of a model, and this cuts an adapter
-        of the whole model to that part (workers/parallel/lora_split.py)."""
+    def __init__(self, model: nn.Module, limits: LoraLimits, split: ModelPart | None = None) -> None:
+        """`split`: `model` is one shard's part of a split model (workers/parallel/lora_split.py)."""
         self.limits = limits
-        self.part = part
+        self.split = split
         # Called with the whole adapter each time one is written into a slot (the driver of
         # a split model passes it on to the other shards, which write their parts).
         self.on_load: Callable[[int, LoraAdapter], None] | None = None
         self.context = LoraContext()
-        self.targets = wrap_targets(model, limits, self.context)
+        self.targets = wrap_targets(model, limits, self.context, split.holds if split is not None else None)
         if not self.targets:
             raise ValueError(f"the model has no LoRA target layer ({', '.join(LORA_TARGETS)})")
         self.slots = LoraSlots(limits.max_loras)
@@ -79,11 +91,12 @@ class LoraManager:
                                    f"max_lora_rank {self.limits.max_rank}")
         for module, weights in self._part_of(adapter).modules.items():
             target = self.targets.get(module)
-            if target is None:
+            shape = target.shape if target is not None else self._elsewhere(module)
+            if shape is None:
                 raise LoraAdapterError(f"LoRA adapter {adapter.name!r} adapts {module!r}, which is not a LoRA "
                                        f"target of this model (its attention and MLP projections: "
                                        f"{', '.join(LORA_TARGETS)})")
-            out_features, in_features = target.shape
+            out_features, in_features = shape
             if weights.a.shape[1] != in_features or weights.b.shape[0] != out_features:
                 raise LoraAdapterError(
                     f"LoRA adapter {adapter.name!r}: {module!r} maps {weights.a.shape[1]} -> {weights.b.shape[0]} "
@@ -137,14 +150,22 @@ class LoraManager:
         """Write `adapter` (of the whole model: cut here when this is a part) into `slot`."""
         by_layer: dict[LoraLinear, dict[int, LoraModule]] = {}
         for module, weights in self._part_of(adapter).modules.items():
-            target = self.targets[module]
-            by_layer.setdefault(target.layer, {})[target.part] = weights
+            target = self.targets.get(module)
+            if target is not None:  # else a layer of another pipeline stage
+                by_layer.setdefault(target.layer, {})[target.part] = weights
         for layer in dict.fromkeys(t.layer for t in self.targets.values()):
             parts = by_layer.get(layer, {})
             layer.load_slot(slot, {p: (w.a, w.b) for p, w in parts.items()})
 
     def _part_of(self, adapter: LoraAdapter) -> LoraAdapter:
-        return adapter if self.part is None else self.part(adapter)
+        return adapter if self.split is None else self.split.part(adapter)
+
+    def _elsewhere(self, module: str) -> tuple[int, int] | None:
+        """The part's (out, in) of a target layer another pipeline stage holds; None when
+        `module` is no target of the model."""
+        if self.split is None or self.split.holds(module):
+            return None
+        return self.split.expected(module)
 
     # --- steps (the model runner's side) --------------------------------------------------
 
@@ -204,7 +225,8 @@ def _slot_key(seq: Sequence) -> int:
     return -1 if seq.lora_slot is None else seq.lora_slot
 
 
-def wrap_targets(model: nn.Module, limits: LoraLimits, context: LoraContext) -> dict[str, LoraTarget]:
+def wrap_targets(model: nn.Module, limits: LoraLimits, context: LoraContext,
+                 holds: Callable[[str], bool] | None = None) -> dict[str, LoraTarget]:
     """Wrap each target projection of the model's language model in a LoraLinear, in place
     (a fused group once, its siblings as parts); returns the targets by module path. A
     model an earlier engine wrapped (the GPU's memory-profiling engine, tests, benchmarks)
@@ -224,7 +246,7 @@ def wrap_targets(model: nn.Module, limits: LoraLimits, context: LoraContext) -> 
 
     for name in _language_model_names(model, modules):
         module = modules[name]
-        if name.rsplit(".", 1)[-1] not in LORA_TARGETS:
+        if name.rsplit(".", 1)[-1] not in LORA_TARGETS or (holds is not None and not holds(name)):
             continue
         if isinstance(module, ProjectionSlice):
             fused = module.fused
@@ -249,5 +271,7 @@ def _language_model_names(model: nn.Module, modules: dict[str, nn.Module]) -> li
 
 
 def _dtype_device(model: nn.Module) -> tuple[torch.dtype, torch.device]:
-    embeddings = model.get_input_embeddings()
-    return embeddings.weight.dtype, embeddings.weight.device
+    """The model's dtype and device, from a norm's weight: a later pipeline stage holds no
+    embedding (it stays on the meta device), every stage holds its layers' norms."""
+    weight = next(p for name, p in model.named_parameters() if "norm" in name and not p.is_meta)
+    return weight.dtype, weight.device

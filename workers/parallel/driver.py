@@ -56,7 +56,7 @@ class DriverForward:
             self.group.send(StepMessage.of(input_ids, position_ids, meta, logits_to_keep, copies, lora_step, loads))
             if self.stage is not None:
                 return run_first_stage(self.forward, self.group, self.stage, input_ids, position_ids, meta,
-                                       logits_to_keep, self.vocab_size)
+                                       logits_to_keep, self.vocab_size, self.lora_context)
             return self.forward(input_ids, position_ids, meta, logits_to_keep)
         except Exception as exc:
             if self.on_lost is not None:

@@ -4,19 +4,65 @@ A column-split layer (q/k/v, gate/up) keeps its output rows: the adapter's B kee
 same rows and A stays whole, so the shard's delta is its columns of the whole delta. A
 row-split layer (o_proj, down_proj) keeps its input columns: A keeps the same columns and B
 stays whole, so the shard's delta is a partial sum, added across shards by the all-reduce
-the base product's partial sum already takes. The driver sends each shard the whole
-adapter once, when it writes it into a slot; each shard cuts its own part.
+the base product's partial sum already takes. A pipeline stage keeps the modules of its
+own layers. The driver sends each shard the whole adapter once, when it writes it into a
+slot; each shard cuts its own part.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
+from typing import Any
 
 from workers.contract.lora import LoraAdapterError
 from workers.contract.model_shape import SplitShape
+from workers.lora.manager import LORA_TARGETS
 from workers.lora.peft_files import LoraAdapter, LoraModule
+from workers.parallel.pipeline import StageLayers
 from workers.parallel.tensor_group import TensorRank
 from workers.parallel.tensor_split import cut_for
+
+_LAYER_MODULE = re.compile(r"model\.layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<owner>\w+)")
+
+
+class AdapterCut:
+    """A shard's part of a split model as its LoRA manager sees it (workers/lora/manager.py's
+    ModelPart): adapters cut to its tensor part; the layers of its pipeline stage."""
+
+    def __init__(self, config: Any, position: TensorRank, stage: StageLayers | None = None) -> None:
+        self.shape = SplitShape.of(config)
+        self.hidden = config.get_text_config().hidden_size
+        self.layers = config.get_text_config().num_hidden_layers
+        self.position = position
+        self.stage = stage
+
+    def part(self, adapter: LoraAdapter) -> LoraAdapter:
+        return cut_adapter(adapter, self.shape, self.position)
+
+    def holds(self, module: str) -> bool:
+        return self.stage is None or self.stage.holds(module + ".weight", tied=False)
+
+    def expected(self, module: str) -> tuple[int, int] | None:
+        match = _LAYER_MODULE.fullmatch(module)
+        if match is None or int(match["layer"]) >= self.layers or match["owner"] not in LORA_TARGETS:
+            return None
+        shape, hidden = self.shape, self.hidden
+        out_features, in_features = {
+            "q_proj": (shape.heads * shape.head_dim, hidden),
+            "k_proj": (shape.kv_heads * shape.head_dim, hidden),
+            "v_proj": (shape.kv_heads * shape.head_dim, hidden),
+            "o_proj": (hidden, shape.heads * shape.head_dim),
+            "gate_proj": (shape.intermediate, hidden),
+            "up_proj": (shape.intermediate, hidden),
+            "down_proj": (hidden, shape.intermediate),
+        }[match["owner"]]
+        cut = cut_for(module + ".weight", shape, self.position)
+        if cut is not None and cut.dim == 0:
+            out_features = cut.end - cut.start
+        elif cut is not None:
+            in_features = cut.end - cut.start
+        return out_features, in_features
 
 
 def cut_adapter(adapter: LoraAdapter, shape: SplitShape, position: TensorRank) -> LoraAdapter:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.lora.layers import LoraContext
 from workers.model.attention import AttentionMetadata
 from workers.model.direct_forward import DirectForward
 from workers.parallel.micro_batches import micro_batches
@@ -75,10 +76,12 @@ class PipelineStageForward:
         self.group = group
         self.stage = stage
         self.dtype = dtype
+        self.lora_context: LoraContext | None = None  # this shard's LoRA layers' context, when it has them
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, meta: AttentionMetadata,
                  logits_to_keep: torch.Tensor) -> None:
-        for part in micro_batches(meta, input_ids.shape[1], logits_to_keep, self.stage.stages):
+        parts = micro_batch_count(self.stage, self.lora_context)
+        for part in micro_batches(meta, input_ids.shape[1], logits_to_keep, parts):
             if self.stage.first:
                 hidden = self.forward.embed_ids(input_ids[:, part.tokens])
             else:
@@ -94,12 +97,18 @@ class PipelineStageForward:
         self.group.wait_sends()
 
 
+def micro_batch_count(stage: StageLayers, lora_context: LoraContext | None) -> int:
+    """As many micro-batches as stages; one while the step has LoRA rows (their runs index
+    the whole step's rows: cutting them is not built)."""
+    return 1 if lora_context is not None and lora_context.step is not None else stage.stages
+
+
 def run_first_stage(forward: DirectForward, group: TensorGroup, stage: StageLayers, input_ids: torch.Tensor,
                     position_ids: torch.Tensor, meta: AttentionMetadata, logits_to_keep: torch.Tensor,
-                    vocab_size: int) -> torch.Tensor:
+                    vocab_size: int, lora_context: LoraContext | None = None) -> torch.Tensor:
     """The driver's part of a step: its layers for each micro-batch in turn (each sent on
     while it runs the next), then the logits [1, K, vocab] from the last stage."""
-    parts = micro_batches(meta, input_ids.shape[1], logits_to_keep, stage.stages)
+    parts = micro_batches(meta, input_ids.shape[1], logits_to_keep, micro_batch_count(stage, lora_context))
     for part in parts:
         hidden = forward.run_layers(forward.embed_ids(input_ids[:, part.tokens]), position_ids[:, part.tokens],
                                     part.meta)

@@ -7,17 +7,15 @@ from __future__ import annotations
 import dataclasses
 from contextlib import nullcontext
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 from torch import nn
 
-from workers.contract.model_shape import SplitShape
 from workers.core.limits import LoraLimits
 from workers.lora.manager import LoraManager
 from workers.model.direct_forward import DirectForward
 from workers.model.kv_cache import KVCacheShape, PagedKVCache
-from workers.parallel.lora_split import cut_adapter
+from workers.parallel.lora_split import AdapterCut
 from workers.parallel.pipeline import PipelineStageForward, StageLayers
 from workers.parallel.step_message import StepMessage
 from workers.parallel.tensor_group import TensorGroup
@@ -43,9 +41,11 @@ def shard_kv_shape(model: nn.Module, world: int, stage: StageLayers | None = Non
     return shape
 
 
-def shard_lora(model: nn.Module, limits: LoraLimits, group: TensorGroup) -> LoraManager:
-    """LoRA layers over a shard's part of the model, which write their part of each adapter."""
-    return LoraManager(model, limits, partial(cut_adapter, shape=SplitShape.of(model.config), position=group.position))
+def shard_lora(model: nn.Module, limits: LoraLimits, group: TensorGroup,
+               stage: StageLayers | None = None) -> LoraManager:
+    """LoRA layers over a shard's part of the model (its pipeline stage's layers, when
+    split by layers), which write their part of each adapter."""
+    return LoraManager(model, limits, AdapterCut(model.config, group.position, stage))
 
 
 def stage_forward(model: nn.Module, group: TensorGroup, stage: StageLayers) -> DirectForward:
@@ -63,11 +63,12 @@ class ShardLoop:
         shape = shard_kv_shape(model, group.world, stage)
         self.kv_cache = PagedKVCache(shape, plan.num_blocks, plan.block_size, device)
         # Before the forward: it calls the LoRA layers where they wrap the projections.
-        self.lora = shard_lora(model, plan.lora, group) if plan.lora is not None else None
+        self.lora = shard_lora(model, plan.lora, group, stage) if plan.lora is not None else None
         if stage is None:
             self.forward = DirectForward(model, group)
         else:
             self.forward = PipelineStageForward(stage_forward(model, group, stage), group, stage, model.dtype)
+            self.forward.lora_context = self.lora.context if self.lora is not None else None
         self.steps = 0
 
     @torch.inference_mode()

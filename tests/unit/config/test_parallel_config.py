@@ -50,7 +50,6 @@ def test_a_split_gpu_replica_takes_one_gpu_a_shard():
 
 
 @pytest.mark.parametrize(("fields", "message"), [
-    ({"parallel": {"pipeline_parallel_size": 2}, "lora": {}}, "LoRA adapters on a model split in pipeline stages"),
     ({"parallel": {"tensor_parallel_size": 2}, "engine": {"direct_forward": False}}, "direct_forward: true"),
     ({"parallel": {"tensor_parallel_size": 2}, "device": "cuda", "deployment": {"ray_actor_options": {"num_gpus": 1}}},
      "kv_cache_memory_gib"),

@@ -46,3 +46,21 @@ def test_an_adapter_of_other_sizes_is_refused_by_name():
 def _span(name: str, rank: int) -> tuple[int, int]:
     cut = cut_for(name + ".weight", SHAPE, TensorRank(rank, 2))
     return cut.start, cut.end - cut.start
+
+
+def test_a_stage_knows_the_parts_shapes_of_the_layers_it_does_not_hold():
+    from transformers import LlamaConfig
+
+    from workers.parallel.lora_split import AdapterCut
+    from workers.parallel.pipeline import StageLayers
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=4, vocab_size=100)
+    first = AdapterCut(config, TensorRank(1, 2), StageLayers.of(0, 2, 4))
+    assert first.holds("model.layers.1.self_attn.q_proj") and not first.holds("model.layers.2.self_attn.q_proj")
+    assert first.expected("model.layers.3.self_attn.q_proj") == (16, 32)  # 2 of 4 heads of 8
+    assert first.expected("model.layers.3.self_attn.k_proj") == (8, 32)
+    assert first.expected("model.layers.3.self_attn.o_proj") == (32, 16)
+    assert first.expected("model.layers.3.mlp.down_proj") == (32, 24)
+    assert first.expected("model.layers.4.mlp.down_proj") is None  # no such layer
+    assert first.expected("model.layers.3.mlp.act_fn") is None
