@@ -14,9 +14,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from tests.support.engines import make_engine, run_to_completion, tokens_by_choice
 from tests.support.tiny_models import build_tiny_llama, build_tokenizer
 from tests.unit.model.test_direct_forward import _with_vectors, llama, qwen3_head_norms
-from tests.unit.model.test_model_families import SHAPE, prompts
+from tests.unit.model.test_model_families import SHAPE, gemma2, prompts
 from workers.contract.lora import LoraRequest
-from workers.contract.model_shape import SplitShape, split_problem
+from workers.contract.model_shape import SplitShape, is_direct_family, split_problem
 from workers.contract.sampling_params import GuidedDecoding, SamplingParams
 from workers.core.limits import LoraLimits
 from workers.lora.manager import LORA_TARGETS
@@ -56,6 +56,8 @@ CASES = [
     ("llama-chunked-packed", lambda: (llama(), None), 5, True),
     ("qwen3-chunked", lambda: (qwen3_head_norms(), None), 5, False),
     ("llama-tokenizer-guided", _tokenizer_llama, 64, False),
+    # transformers' forward with its tensor-parallel plan: soft caps, local and global layers.
+    ("gemma2-chunked", lambda: (gemma2(), None), 5, False),
 ]
 # Pipeline stages: three layers over two stages (two and one), and Qwen3.
 PIPELINE_CASES = [
@@ -81,13 +83,15 @@ def split_model(model: torch.nn.Module, position: TensorRank) -> None:
     plan sliced_load.py reads a checkpoint by, on a model the tests build."""
     if position.world == 1:
         return
-    reason = split_problem(model.config, position.world, [type(model).__name__])
+    kinds = [type(model).__name__]
+    reason = split_problem(model.config, position.world, kinds)
     if reason is not None:
         raise TensorSplitError(reason)
     shape = SplitShape.of(model.config)
+    vocab_split = is_direct_family(model.config, kinds)
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     for name, param in list(model.named_parameters(remove_duplicate=False)):
-        part = apply_cut(param.detach(), cut_for(name, shape, position))
+        part = apply_cut(param.detach(), cut_for(name, shape, position, vocab_split))
         if part is not param:
             set_parameter(model, name, part.clone())
     if tied:

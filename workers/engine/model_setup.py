@@ -12,7 +12,7 @@ from workers.core.adapter_slots import AdapterSlots, NoAdapters
 from workers.core.limits import EngineLimits
 from workers.lora.manager import LoraManager
 from workers.model.cuda_graphs import DecodeGraphs
-from workers.model.direct_forward import DirectForward, direct_forward_for
+from workers.model.direct_forward import direct_forward_for
 from workers.model.kv_cache import KVCacheShape, PagedKVCache
 from workers.model.runner import ModelRunner
 from workers.model.triton_attention import triton_available
@@ -20,6 +20,7 @@ from workers.parallel.driver import DriverForward
 from workers.parallel.pipeline import StageLayers
 from workers.parallel.shard_loop import shard_kv_shape, shard_lora, stage_forward
 from workers.parallel.tensor_group import TensorGroup
+from workers.parallel.transformers_split import tensor_shard_forward
 from workers.sampling.guided import GuidedDecoder
 
 logger = logging.getLogger(__name__)
@@ -84,7 +85,7 @@ def model_runner(model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.d
             raise ValueError("a model split over a tensor-parallel group runs the direct forward only "
                              "(engine.direct_forward is off)")
         if stage is None:
-            driver = DriverForward(DirectForward(model, tensor_group), tensor_group)
+            driver = DriverForward(tensor_shard_forward(model, tensor_group), tensor_group)
         else:
             driver = DriverForward(stage_forward(model, tensor_group, stage), tensor_group, stage)
         if isinstance(lora, LoraManager):  # the shards write each adapter and run each step's rows too

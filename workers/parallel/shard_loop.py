@@ -19,6 +19,7 @@ from workers.parallel.lora_split import AdapterCut
 from workers.parallel.pipeline import PipelineStageForward, StageLayers
 from workers.parallel.step_message import StepMessage
 from workers.parallel.tensor_group import TensorGroup
+from workers.parallel.transformers_split import tensor_shard_forward
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class ShardLoop:
         # Before the forward: it calls the LoRA layers where they wrap the projections.
         self.lora = shard_lora(model, plan.lora, group, stage) if plan.lora is not None else None
         if stage is None:
-            self.forward = DirectForward(model, group)
+            self.forward = tensor_shard_forward(model, group)
         else:
             self.forward = PipelineStageForward(stage_forward(model, group, stage), group, stage, model.dtype)
             self.forward.lora_context = self.lora.context if self.lora is not None else None

@@ -14,7 +14,12 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from workers.contract.model_shape import SplitShape, split_problem
+from workers.contract.model_shape import (
+    SplitShape,
+    is_direct_family,
+    split_problem,
+    stage_problem,
+)
 from workers.parallel.pipeline import StageLayers
 from workers.parallel.tensor_group import TensorRank
 from workers.parallel.tensor_split import (
@@ -35,7 +40,7 @@ def load_split_model(path: Path, position: TensorRank, dtype: torch.dtype, devic
     `stage`'s layers, on `device`, unfused and unpacked; raises TensorSplitError when the
     model cannot be split so."""
     config = AutoConfig.from_pretrained(path)
-    reason = split_problem(config, position.world)
+    reason = split_problem(config, position.world) or (stage_problem(config, stage.stages) if stage else None)
     if reason is not None:
         raise TensorSplitError(reason)
     files = sorted(Path(path).glob("*.safetensors"))
@@ -44,13 +49,13 @@ def load_split_model(path: Path, position: TensorRank, dtype: torch.dtype, devic
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
-    _fill(model, files, SplitShape.of(config), position, dtype, device, stage)
-    _rebuild_buffers(model, device)
+    _init_buffers(model, device)
+    _fill(model, files, SplitShape.of(config), position, dtype, device, stage, is_direct_family(config))
     return model.eval()
 
 
 def _fill(model: nn.Module, files: list[Path], shape: SplitShape, position: TensorRank, dtype: torch.dtype,
-          device: str, stage: StageLayers | None) -> None:
+          device: str, stage: StageLayers | None, vocab_split: bool) -> None:
     tied = bool(model.config.tie_word_embeddings)
     expected = {name: p for name, p in model.named_parameters() if stage is None or stage.holds(name, tied)}
     filled: set[str] = set()
@@ -59,7 +64,7 @@ def _fill(model: nn.Module, files: list[Path], shape: SplitShape, position: Tens
             for name in checkpoint.keys():
                 if name not in expected:
                     continue  # e.g. a checkpoint's unused rotary buffers
-                value = _read(checkpoint.get_slice(name), cut_for(name, shape, position))
+                value = _read(checkpoint.get_slice(name), cut_for(name, shape, position, vocab_split))
                 set_parameter(model, name, value.to(device=device, dtype=dtype))
                 filled.add(name)
     if tied and (stage is None or stage.last):
@@ -81,12 +86,20 @@ def _read(tensor_slice, cut: Cut | None) -> torch.Tensor:
     return tensor_slice[:, cut.start : cut.end]
 
 
-def _rebuild_buffers(model: nn.Module, device: str) -> None:
-    """Buffers the checkpoint does not hold (the rotary frequencies) are computed at
-    construction; on the meta device they are empty, so their module is built again."""
-    body = model.model
-    rotary = body.rotary_emb
-    body.rotary_emb = type(rotary)(config=model.config).to(device)
+def _init_buffers(model: nn.Module, device: str) -> None:
+    """Buffers the checkpoint does not hold (rotary frequencies, Gemma's embedding scale)
+    are computed at construction; on the meta device they are empty, so each is made on
+    `device` and set by transformers' own initializer of its module. Runs before the
+    weights are read: the initializer also draws the module's parameters, which are still
+    on the meta device then (a no-op)."""
+    for module in model.modules():
+        meta = [name for name, buffer in module.named_buffers(recurse=False) if buffer.is_meta]
+        for name in meta:
+            buffer = getattr(module, name)
+            persistent = name not in module._non_persistent_buffers_set
+            module.register_buffer(name, torch.empty_like(buffer, device=device), persistent=persistent)
+        if meta:
+            model._init_weights(module)
     leftover = [name for name, buffer in model.named_buffers() if buffer.is_meta]
     if leftover:
         raise TensorSplitError(f"buffers left unset after loading a shard: {leftover[:3]}")

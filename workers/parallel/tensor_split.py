@@ -1,6 +1,8 @@
 """Which part of each weight a tensor-parallel rank keeps: the Megatron split of a
 Llama-shaped model, as one plan per parameter name (`cut_for`), applied while a shard
-reads its checkpoint (sliced_load.py: only its slices are read).
+reads its checkpoint (sliced_load.py: only its slices are read). Families that transformers
+gives a plan of column- and row-split products under the same names (Gemma, OLMo, ...)
+are cut the same way, their vocabulary kept whole.
 
 Each layer's q/k/v projections keep this rank's attention heads and KV heads (rows), its
 gate/up projections this rank's part of the intermediate size; o_proj and down_proj keep
@@ -39,8 +41,10 @@ class Cut:
     zero: bool = False
 
 
-def cut_for(name: str, shape: SplitShape, position: TensorRank) -> Cut | None:
-    """This rank's part of the parameter `name` (an unfused checkpoint name); None: whole."""
+def cut_for(name: str, shape: SplitShape, position: TensorRank, vocab_split: bool = True) -> Cut | None:
+    """This rank's part of the parameter `name` (an unfused checkpoint name); None: whole.
+    `vocab_split` False: the embedding and output head stay whole (a family split through
+    transformers' forward, transformers_split.py)."""
     parts = name.split(".")
     owner, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", name)
     q = _part(shape.heads * shape.head_dim, position)
@@ -56,7 +60,7 @@ def cut_for(name: str, shape: SplitShape, position: TensorRank) -> Cut | None:
         if kind == "bias":
             return None if position.rank == 0 else Cut(0, zero=True)
         return Cut(1, *(q if owner == "o_proj" else mlp))
-    if owner in ("embed_tokens", "lm_head"):
+    if owner in ("embed_tokens", "lm_head") and vocab_split:
         return Cut(0, *position.vocab_range(shape.vocab))
     return None
 
