@@ -1,5 +1,5 @@
-"""Whether the cluster can ever hold a split model's replica: a tensor-parallel group that
-asks for more than any node (STRICT_PACK) or the whole cluster has is a config error at
+"""Whether the cluster can ever hold a split model's replica: one whose shards ask
+for more than any node (STRICT_PACK) or the whole cluster has is a config error at
 start, named by its field, instead of a replica Serve waits for forever."""
 
 from __future__ import annotations

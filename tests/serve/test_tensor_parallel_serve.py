@@ -69,8 +69,8 @@ def streamed_text(url: str, max_tokens: int, on_first=None) -> tuple[str, str | 
 
 
 def shard_pids() -> list[int]:
-    """The shard actors' processes (Ray titles them ray::TensorShard...)."""
-    return [pid for pid in process_ids() if read_text(f"/proc/{pid}/cmdline").startswith("ray::TensorShard")]
+    """The shard actors' processes (Ray titles them ray::ShardActor...)."""
+    return [pid for pid in process_ids() if read_text(f"/proc/{pid}/cmdline").startswith("ray::ShardActor")]
 
 
 def test_the_split_model_streams_the_whole_models_text(apps):

@@ -38,13 +38,13 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
 
 
-def make_engine(model, num_blocks=256, block_size=4, eos=frozenset(), tokenizer=None, tensor_group=None,
+def make_engine(model, num_blocks=256, block_size=4, eos=frozenset(), tokenizer=None, shard_group=None,
                 stage=None, **limits) -> LLMEngine:
-    """`tensor_group`: `model` is the driver's part of a split model (workers/parallel/), by
+    """`shard_group`: `model` is the driver's part of a split model (workers/parallel/), by
     tensors, or by layers when `stage` (its first pipeline stage) is given."""
-    per_token = shard_kv_shape(model, tensor_group.world if tensor_group else 1, stage).bytes_per_token
+    per_token = shard_kv_shape(model, shard_group.world if shard_group else 1, stage).bytes_per_token
     limits = EngineLimits(block_size=block_size, kv_cache_bytes=num_blocks * block_size * per_token, **limits)
-    engine = LLMEngine(model, eos, limits, CPU, tokenizer=tokenizer, tensor_group=tensor_group, stage=stage)
+    engine = LLMEngine(model, eos, limits, CPU, tokenizer=tokenizer, shard_group=shard_group, stage=stage)
     assert engine.blocks.num_blocks == num_blocks
     return engine
 

@@ -26,8 +26,8 @@ from workers.model.cpu_linear import pack_linear_layers
 from workers.model.fused_projections import fuse_sibling_projections
 from workers.parallel import micro_batches
 from workers.parallel.pipeline import StageLayers
+from workers.parallel.shard_group import ShardGroup, ShardLayout, TensorRank
 from workers.parallel.shard_loop import ShardLoop
-from workers.parallel.tensor_group import ShardLayout, TensorGroup, TensorRank
 from workers.parallel.tensor_split import (
     TensorSplitError,
     apply_cut,
@@ -186,11 +186,11 @@ def workload(engine, tokenizer, adapters: list[LoraAdapter] | None = None) -> di
     return out
 
 
-def engine_for(model, budget: int, tokenizer=None, group: TensorGroup | None = None,
+def engine_for(model, budget: int, tokenizer=None, group: ShardGroup | None = None,
                stage: StageLayers | None = None, lora: bool = False):
     """`lora`: with one LoRA slot fewer than the adapters random_adapters makes, of rank 4."""
     limits = LoraLimits(max_loras=1, max_rank=4) if lora else None
-    return make_engine(model, num_blocks=64, max_num_batched_tokens=budget, tokenizer=tokenizer, tensor_group=group,
+    return make_engine(model, num_blocks=64, max_num_batched_tokens=budget, tokenizer=tokenizer, shard_group=group,
                        stage=stage, lora=limits)
 
 
@@ -208,7 +208,7 @@ def run_rank(shard: int, split: str, init_method: str, results) -> None:
         torch.set_num_threads(1)
         micro_batches.MIN_MICRO_BATCH_TOKENS = 1  # so that these small steps are cut too
         layout, cases = SPLITS[split]
-        group = TensorGroup(shard, layout, init_method, CPU, timeout_s=60)
+        group = ShardGroup(shard, layout, init_method, CPU, timeout_s=60)
         for name, build, budget, pack in cases:
             model, tokenizer = build()
             stage = None

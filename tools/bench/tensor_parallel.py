@@ -55,9 +55,9 @@ def _run(rank: int, layout_name: str, threads: int, init_method: str, directory:
     from workers.model.attention import register_paged_attention
     from workers.model.fused_projections import fuse_sibling_projections
     from workers.parallel import pipeline
+    from workers.parallel.shard_group import ShardGroup, ShardLayout
     from workers.parallel.shard_loop import ShardLoop
     from workers.parallel.sliced_load import load_split_model
-    from workers.parallel.tensor_group import ShardLayout, TensorGroup
 
     tensor, stages, cut = LAYOUTS[layout_name]
     layout = ShardLayout(tensor, stages)
@@ -72,7 +72,7 @@ def _run(rank: int, layout_name: str, threads: int, init_method: str, directory:
                              stage)
     fuse_sibling_projections(model)
     cpu = torch.device("cpu")
-    group = TensorGroup(rank, layout, init_method, cpu) if layout.world > 1 else None
+    group = ShardGroup(rank, layout, init_method, cpu) if layout.world > 1 else None
     if group is not None and not group.is_driver:
         for _ in batches:
             ShardLoop(model, group, cpu, stage).run()
@@ -94,7 +94,7 @@ def _run(rank: int, layout_name: str, threads: int, init_method: str, directory:
     results = {}
     for batch in batches:
         engine = LLMEngine(model, frozenset(), EngineLimits(block_size=16, kv_cache_bytes=256 * 1024**2,
-                                                             max_num_seqs=batch), cpu, tensor_group=group,
+                                                             max_num_seqs=batch), cpu, shard_group=group,
                            stage=stage)
         for i in range(batch):
             engine.add_request([1 + i] + [2 + (i + j) % 1000 for j in range(prompt - 1)],
@@ -117,7 +117,7 @@ def _run(rank: int, layout_name: str, threads: int, init_method: str, directory:
 
 
 def run(layout_name: str, threads: int, directory: Path, batches: list[int], steps: int, prompt: int) -> list:
-    from workers.parallel.tensor_group import free_init_method
+    from workers.parallel.shard_group import free_init_method
 
     tensor, stages, _ = LAYOUTS[layout_name]
     context = mp.get_context("spawn")

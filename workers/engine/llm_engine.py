@@ -46,8 +46,8 @@ from workers.engine.step_recovery import StepRecovery
 from workers.model.cuda_graphs import DecodeGraphs
 from workers.model.kv_cache import PagedKVCache
 from workers.parallel.pipeline import StageLayers
+from workers.parallel.shard_group import ShardGroup
 from workers.parallel.shard_loop import KVPlan
-from workers.parallel.tensor_group import TensorGroup
 from workers.sampling.guided import GuideState
 from workers.sampling.logprobs import sampled_logprobs, score_prompts
 from workers.sampling.sampler import Sampler, SamplingTensors
@@ -61,35 +61,35 @@ class LLMEngine:
         limits: EngineLimits,
         device: torch.device,
         tokenizer=None,
-        tensor_group: TensorGroup | None = None,
+        shard_group: ShardGroup | None = None,
         stage: StageLayers | None = None,
     ) -> None:
         """`tokenizer` (a fast HF tokenizer) enables guided decoding; without one, a guided
-        request is refused. `tensor_group`: `model` is this driver's part of a model split
+        request is refused. `shard_group`: `model` is this driver's part of a model split
         over that group (workers/parallel/): by tensors, or by layers when `stage` (the
         first pipeline stage) is given; the other shards mirror its KV pool and run each
         step it sends them."""
         self.limits = limits
         self.device = device
         self.eos_token_ids = eos_token_ids
-        self.tensor_group = tensor_group
+        self.shard_group = shard_group
         # A split model's output head holds only this shard's rows of the vocabulary.
-        self.vocab_size = model.config.vocab_size if tensor_group else model.get_output_embeddings().weight.shape[0]
-        shape, num_blocks = kv_pool(model, limits, tensor_group.world if tensor_group else 1, stage)
-        if tensor_group is not None:
-            tensor_group.send(KVPlan(num_blocks, limits.block_size, limits.lora))
-        path = decode_path(device, limits, split=tensor_group is not None)
+        self.vocab_size = model.config.vocab_size if shard_group else model.get_output_embeddings().weight.shape[0]
+        shape, num_blocks = kv_pool(model, limits, shard_group.world if shard_group else 1, stage)
+        if shard_group is not None:
+            shard_group.send(KVPlan(num_blocks, limits.block_size, limits.lora))
+        path = decode_path(device, limits, split=shard_group is not None)
         self.kv_cache = PagedKVCache(shape, num_blocks, limits.block_size, device, padding_block=path.graphs)
         self.blocks = BlockManager(num_blocks, limits.block_size, limits.enable_prefix_caching)
         # Before the runner: its CUDA graphs capture the LoRA layers too.
-        self.lora: AdapterSlots = adapter_slots(model, limits, tensor_group, stage)
+        self.lora: AdapterSlots = adapter_slots(model, limits, shard_group, stage)
         self.scheduler = Scheduler(
             SchedulerConfig(limits.max_num_seqs, limits.max_num_batched_tokens,
                             limits.max_prefill_tokens_while_decoding, limits.priority_scheduling),
             self.blocks, self.lora,
         )
         self.runner = model_runner(model, self.kv_cache, device, path, limits, self.vocab_size, self.lora,
-                                   tensor_group, stage)
+                                   shard_group, stage)
         self.sampler = Sampler()
         self.guided = guided_decoder(tokenizer, self.vocab_size, eos_token_ids)
         self._ids = itertools.count()
@@ -279,12 +279,12 @@ class LLMEngine:
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write of shared blocks, in this pool and (split model) in every shard's."""
         self.kv_cache.copy_blocks(pairs)
-        if pairs and self.tensor_group is not None:
+        if pairs and self.shard_group is not None:
             self.runner.direct.record_copies(pairs)
 
     def close(self) -> None:
         """Let a split model's other shards go (they wait for steps until told)."""
-        if self.tensor_group is not None:
+        if self.shard_group is not None:
             self.runner.direct.close()
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, sampling_rows: list[int]) -> list[TokenEvent]:

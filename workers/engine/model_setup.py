@@ -18,8 +18,8 @@ from workers.model.runner import ModelRunner
 from workers.model.triton_attention import triton_available
 from workers.parallel.driver import DriverForward
 from workers.parallel.pipeline import StageLayers
+from workers.parallel.shard_group import ShardGroup
 from workers.parallel.shard_loop import shard_kv_shape, shard_lora, stage_forward
-from workers.parallel.tensor_group import TensorGroup
 from workers.parallel.transformers_split import tensor_shard_forward
 from workers.sampling.guided import GuidedDecoder
 
@@ -48,7 +48,7 @@ def kv_pool(model: torch.nn.Module, limits: EngineLimits, world: int = 1,
 
 
 def decode_path(device: torch.device, limits: EngineLimits, split: bool = False) -> DecodePath:
-    """`split`: the model is split over a tensor-parallel group, which only the direct
+    """`split`: the model is split over shards (workers/parallel/), which only the direct
     forward runs (no CUDA graphs: their replay would skip the collectives)."""
     triton_decode = device.type == "cuda" and triton_available()
     use_graphs = device.type == "cuda" and limits.cuda_graph_max_batch > 0 and not split
@@ -61,33 +61,33 @@ def decode_path(device: torch.device, limits: EngineLimits, split: bool = False)
     return DecodePath(triton_decode, use_graphs, direct)
 
 
-def adapter_slots(model: torch.nn.Module, limits: EngineLimits, tensor_group: TensorGroup | None = None,
+def adapter_slots(model: torch.nn.Module, limits: EngineLimits, shard_group: ShardGroup | None = None,
                   stage: StageLayers | None = None) -> AdapterSlots:
     """The model's LoRA layers and slots when `limits.lora` is set (on a tensor shard's part
     of a split model, or its first pipeline stage, they hold that part of each adapter)."""
     if limits.lora is None:
         return NoAdapters()
-    if tensor_group is None:
+    if shard_group is None:
         return LoraManager(model, limits.lora)
-    return shard_lora(model, limits.lora, tensor_group, stage)
+    return shard_lora(model, limits.lora, shard_group, stage)
 
 
 def model_runner(model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device, path: DecodePath,
                  limits: EngineLimits, vocab_size: int, lora: AdapterSlots = NoAdapters(),
-                 tensor_group: TensorGroup | None = None, stage: StageLayers | None = None) -> ModelRunner:
+                 shard_group: ShardGroup | None = None, stage: StageLayers | None = None) -> ModelRunner:
     """The runner, with its decode graphs captured when `path` says so (with and without
-    LoRA rows when `lora` has slots). `tensor_group`: `model` is this driver's part of a
+    LoRA rows when `lora` has slots). `shard_group`: `model` is this driver's part of a
     split model (workers/parallel/), which the direct forward runs over the group: its
     tensor shard, or its first pipeline `stage` (itself split by tensors or not)."""
     runner = ModelRunner(model, kv_cache, device, triton_decode=path.triton, lora=lora)
-    if tensor_group is not None:
+    if shard_group is not None:
         if not path.direct:
-            raise ValueError("a model split over a tensor-parallel group runs the direct forward only "
+            raise ValueError("a model split over shards runs the direct forward only "
                              "(engine.direct_forward is off)")
         if stage is None:
-            driver = DriverForward(tensor_shard_forward(model, tensor_group), tensor_group)
+            driver = DriverForward(tensor_shard_forward(model, shard_group), shard_group)
         else:
-            driver = DriverForward(stage_forward(model, tensor_group, stage), tensor_group, stage)
+            driver = DriverForward(stage_forward(model, shard_group, stage), shard_group, stage)
         if isinstance(lora, LoraManager):  # the shards write each adapter and run each step's rows too
             driver.lora_context = lora.context
             lora.on_load = driver.record_lora_load

@@ -12,10 +12,11 @@ bit for bit (tests/unit/model/test_direct_forward.py).
 
 It runs only what it was written for: Llama, Mistral, Qwen2 and Qwen3 models (Qwen3's
 per-head RMSNorm of q and k included) with their sibling projections fused
-(fused_projections.py), rotary positions, plain RMSNorm and a gated MLP. Anything else
-(other families, LoRA layers, images) runs transformers' forward.
+(fused_projections.py), rotary positions, plain RMSNorm and a gated MLP; LoRA layers
+where they wrap the products (workers/lora/layers.py: the runner sets each step's adapter
+rows around the call). Anything else (other families, images) runs transformers' forward.
 
-Split over a tensor-parallel group (workers/parallel/), each shard runs this same loop on
+Split over shards by tensors (workers/parallel/), each shard runs this same loop on
 its part of the heads and of the MLP: the group adds the shards' partial o_proj and
 down_proj products, looks the ids up in the split vocabulary and gathers the logits to
 the driver (the other shards get None).
@@ -41,7 +42,7 @@ Norm = Callable[[torch.Tensor], torch.Tensor]
 
 
 class ShardCollectives(Protocol):
-    """What a tensor-parallel shard's forward needs of its group (workers/parallel/tensor_group.py)."""
+    """What a tensor-parallel shard's forward needs of its group (workers/parallel/shard_group.py)."""
 
     world: int
 

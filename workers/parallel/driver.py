@@ -13,8 +13,8 @@ from workers.lora.peft_files import LoraAdapter
 from workers.model.attention import AttentionMetadata
 from workers.model.direct_forward import DirectForward
 from workers.parallel.pipeline import StageLayers, run_first_stage
+from workers.parallel.shard_group import ShardGroup
 from workers.parallel.step_message import StepMessage
-from workers.parallel.tensor_group import TensorGroup
 
 
 class ShardGroupLost(BaseException):
@@ -27,7 +27,7 @@ class DriverForward:
     """Stands where the runner's DirectForward stands, on shard 0. `stage`: the model is
     split in pipeline stages and this is the first (else it is split by tensors)."""
 
-    def __init__(self, forward: DirectForward, group: TensorGroup, stage: StageLayers | None = None) -> None:
+    def __init__(self, forward: DirectForward, group: ShardGroup, stage: StageLayers | None = None) -> None:
         self.forward = forward
         self.group = group
         self.stage = stage

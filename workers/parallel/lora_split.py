@@ -20,7 +20,7 @@ from workers.contract.model_shape import SplitShape
 from workers.lora.manager import LORA_TARGETS
 from workers.lora.peft_files import LoraAdapter, LoraModule
 from workers.parallel.pipeline import StageLayers
-from workers.parallel.tensor_group import TensorRank
+from workers.parallel.shard_group import TensorRank
 from workers.parallel.tensor_split import cut_for
 
 _LAYER_MODULE = re.compile(r"model\.layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<owner>\w+)")

@@ -6,7 +6,7 @@ layers and sends them on; the last stage applies the final norm and output head 
 the logits back to the driver, which samples. Each step goes through in micro-batches
 (micro_batches.py), as many as there are stages, so that while a stage runs one
 micro-batch the one before it runs the next; sends do not wait for the receiver. A stage
-may itself be split by tensors (tensor_group.py's ShardLayout): each of its tensor shards
+may itself be split by tensors (shard_group.py's ShardLayout): each of its tensor shards
 passes the (whole, summed) hidden states to the same tensor rank of the next stage, and
 the last stage gathers its logits on its first tensor shard, which sends them. One step
 is in the pipeline at a time (the next step's tokens depend on this one's logits): a step
@@ -23,7 +23,7 @@ from workers.lora.layers import LoraContext
 from workers.model.attention import AttentionMetadata
 from workers.model.direct_forward import DirectForward
 from workers.parallel.micro_batches import micro_batches
-from workers.parallel.tensor_group import TensorGroup
+from workers.parallel.shard_group import ShardGroup
 
 _LAYER_PREFIX = "model.layers."
 
@@ -71,7 +71,7 @@ class PipelineStageForward:
     hidden states in (or, on the first stage, the embedded tokens), its layers, hidden
     states (or, on the last stage, the logits for the driver) out."""
 
-    def __init__(self, forward: DirectForward, group: TensorGroup, stage: StageLayers, dtype: torch.dtype) -> None:
+    def __init__(self, forward: DirectForward, group: ShardGroup, stage: StageLayers, dtype: torch.dtype) -> None:
         self.forward = forward
         self.group = group
         self.stage = stage
@@ -103,7 +103,7 @@ def micro_batch_count(stage: StageLayers, lora_context: LoraContext | None) -> i
     return 1 if lora_context is not None and lora_context.step is not None else stage.stages
 
 
-def run_first_stage(forward: DirectForward, group: TensorGroup, stage: StageLayers, input_ids: torch.Tensor,
+def run_first_stage(forward: DirectForward, group: ShardGroup, stage: StageLayers, input_ids: torch.Tensor,
                     position_ids: torch.Tensor, meta: AttentionMetadata, logits_to_keep: torch.Tensor,
                     vocab_size: int, lora_context: LoraContext | None = None) -> torch.Tensor:
     """The driver's part of a step: its layers for each micro-batch in turn (each sent on

@@ -17,8 +17,8 @@ from workers.model.direct_forward import DirectForward
 from workers.model.kv_cache import KVCacheShape, PagedKVCache
 from workers.parallel.lora_split import AdapterCut
 from workers.parallel.pipeline import PipelineStageForward, StageLayers
+from workers.parallel.shard_group import ShardGroup
 from workers.parallel.step_message import StepMessage
-from workers.parallel.tensor_group import TensorGroup
 from workers.parallel.transformers_split import tensor_shard_forward
 
 
@@ -42,20 +42,20 @@ def shard_kv_shape(model: nn.Module, world: int, stage: StageLayers | None = Non
     return shape
 
 
-def shard_lora(model: nn.Module, limits: LoraLimits, group: TensorGroup,
+def shard_lora(model: nn.Module, limits: LoraLimits, group: ShardGroup,
                stage: StageLayers | None = None) -> LoraManager:
     """LoRA layers over a shard's part of the model (its pipeline stage's layers, when
     split by layers), which write their part of each adapter."""
     return LoraManager(model, limits, AdapterCut(model.config, group.position, stage))
 
 
-def stage_forward(model: nn.Module, group: TensorGroup, stage: StageLayers) -> DirectForward:
+def stage_forward(model: nn.Module, group: ShardGroup, stage: StageLayers) -> DirectForward:
     """A pipeline stage's layers, over its tensor shards when it has several."""
     return DirectForward(model, group if group.world > 1 else None, layers=stage.layers)
 
 
 class ShardLoop:
-    def __init__(self, model: nn.Module, group: TensorGroup, device: torch.device,
+    def __init__(self, model: nn.Module, group: ShardGroup, device: torch.device,
                  stage: StageLayers | None = None) -> None:
         """`model`: this shard's part (sliced_load.py); `stage`: its pipeline stage, when the
         model is split by layers. Waits for the driver's KV plan."""

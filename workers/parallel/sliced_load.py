@@ -21,7 +21,7 @@ from workers.contract.model_shape import (
     stage_problem,
 )
 from workers.parallel.pipeline import StageLayers
-from workers.parallel.tensor_group import TensorRank
+from workers.parallel.shard_group import TensorRank
 from workers.parallel.tensor_split import (
     Cut,
     TensorSplitError,

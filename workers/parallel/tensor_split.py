@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from workers.contract.model_shape import SplitShape
-from workers.parallel.tensor_group import TensorRank
+from workers.parallel.shard_group import TensorRank
 
 
 class TensorSplitError(ValueError):

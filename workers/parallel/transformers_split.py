@@ -16,7 +16,7 @@ from torch import nn
 
 from workers.model.attention import AttentionMetadata
 from workers.model.direct_forward import DirectForward, unsupported_reason
-from workers.parallel.tensor_group import TensorGroup
+from workers.parallel.shard_group import ShardGroup
 
 _ROW_SPLIT = ("o_proj", "down_proj")
 
@@ -24,7 +24,7 @@ _ROW_SPLIT = ("o_proj", "down_proj")
 class TransformersShardForward:
     """Stands where a DirectForward stands, for a plan family (see the module's text)."""
 
-    def __init__(self, model: nn.Module, group: TensorGroup) -> None:
+    def __init__(self, model: nn.Module, group: ShardGroup) -> None:
         """Call after any LoRA layers wrap the products: the sums must add their deltas too."""
         self.model = model
         self.group = group
@@ -45,7 +45,7 @@ class TransformersShardForward:
         return out.logits if self.group.is_driver else None
 
 
-def tensor_shard_forward(model: nn.Module, group: TensorGroup) -> DirectForward | TransformersShardForward:
+def tensor_shard_forward(model: nn.Module, group: ShardGroup) -> DirectForward | TransformersShardForward:
     """The forward of a tensor shard's part: the direct forward where it runs the family,
     else transformers' with the sums hooked in."""
     if unsupported_reason(model) is None:

@@ -1,5 +1,5 @@
-"""Building a worker's engine from its model config: load the model (or, split over a
-tensor-parallel group, this replica's part, with the other shards started as Ray actors),
+"""Building a worker's engine from its model config: load the model (or, split over
+shards, this replica's part, with the other shards started as Ray actors),
 size the KV pool, find the end-of-sequence ids; and the prompt builder of a
 vision-language model."""
 
@@ -15,7 +15,7 @@ from workers.contract.model_config import ModelConfig
 from workers.engine.kv_sizing import sized_engine_limits
 from workers.engine.llm_engine import LLMEngine
 from workers.model.loader import LoadedModel
-from workers.parallel.tensor_group import TensorGroup, free_init_method
+from workers.parallel.shard_group import ShardGroup, free_init_method
 from workers.serving.model_part import load_part, shard_layout
 from workers.text.vision_prompts import VisionPromptBuilder
 
@@ -39,7 +39,7 @@ def build_engine(config: ModelConfig) -> BuiltEngine:
         limits = sized_engine_limits(config, loaded.model, device)
         return BuiltEngine(LLMEngine(loaded.model, eos_token_ids(loaded), limits, device, tokenizer=loaded.tokenizer),
                            loaded)
-    from workers.serving.tensor_shards import (  # Ray, in the replica only
+    from workers.serving.shard_actors import (  # Ray, in the replica only
         peak_rss_mib,
         start_shards,
     )
@@ -48,10 +48,10 @@ def build_engine(config: ModelConfig) -> BuiltEngine:
     init_method = free_init_method(_node_address())
     shards = start_shards(config, init_method)
     loaded, stage = load_part(config, 0)
-    group = TensorGroup(0, shard_layout(config), init_method, device)  # waits for every shard to load and join
+    group = ShardGroup(0, shard_layout(config), init_method, device)  # waits for every shard to load and join
     limits = sized_engine_limits(config, loaded.model, device)
     engine = LLMEngine(loaded.model, eos_token_ids(loaded), limits, device, tokenizer=loaded.tokenizer,
-                       tensor_group=group, stage=stage)
+                       shard_group=group, stage=stage)
     logger.info("%s split over %d shards, ready in %.1f s; the driver's peak RSS %.0f MiB", config.id, world,
                 time.monotonic() - started, peak_rss_mib())
     return BuiltEngine(engine, loaded, shards)

@@ -19,8 +19,8 @@ from workers.model.loader import (
     resolve_dtype,
 )
 from workers.parallel.pipeline import StageLayers
+from workers.parallel.shard_group import ShardLayout
 from workers.parallel.sliced_load import load_split_model
-from workers.parallel.tensor_group import ShardLayout
 from workers.parallel.tensor_split import TensorSplitError
 from workers.serving.cpu_budget import cpu_budget
 from workers.serving.host_memory import keep_freed_memory

@@ -11,7 +11,7 @@ from workers.contract.lora import LoraAdapterError, LoraRequest
 from workers.contract.model_shape import SplitShape
 from workers.lora.peft_files import LoraAdapter, LoraModule
 from workers.parallel.lora_split import cut_adapter
-from workers.parallel.tensor_group import TensorRank
+from workers.parallel.shard_group import TensorRank
 from workers.parallel.tensor_split import cut_for
 
 SHAPE = SplitShape(heads=4, kv_heads=2, head_dim=8, intermediate=48, vocab=100)

@@ -20,8 +20,8 @@ from tests.unit.model.test_direct_forward import llama, qwen3_head_norms
 from tests.unit.model.test_model_families import SHAPE, gemma2
 from workers.contract.model_shape import split_problem, stage_problem
 from workers.parallel.pipeline import StageLayers
+from workers.parallel.shard_group import TensorRank, free_init_method
 from workers.parallel.sliced_load import load_split_model
-from workers.parallel.tensor_group import TensorRank, free_init_method
 from workers.parallel.tensor_split import TensorSplitError
 
 

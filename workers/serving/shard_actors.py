@@ -23,14 +23,14 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from workers.contract.model_config import ModelConfig
 from workers.contract.serve_logs import route_to_serve_log
+from workers.parallel.shard_group import ShardGroup
 from workers.parallel.shard_loop import ShardLoop
-from workers.parallel.tensor_group import TensorGroup
 
 logger = logging.getLogger(__name__)
 
 
 @ray.remote
-class TensorShard:
+class ShardActor:
     def __init__(self, model_config: dict, shard: int, init_method: str) -> None:
         route_to_serve_log(logging.getLogger("workers"))
         self._error: str | None = None
@@ -51,7 +51,7 @@ class TensorShard:
             loaded, stage = load_part(config, shard)
             device = torch.device(config.device)
             layout = shard_layout(config)
-            self._loop = ShardLoop(loaded.model, TensorGroup(shard, layout, init_method, device), device, stage)
+            self._loop = ShardLoop(loaded.model, ShardGroup(shard, layout, init_method, device), device, stage)
             logger.info("shard %d of %d of %s ready in %.1f s, peak RSS %.0f MiB", shard, layout.world,
                         config.id, time.monotonic() - started, peak_rss_mib())
             self._loop.run()
@@ -85,5 +85,5 @@ def start_shards(config: ModelConfig, init_method: str) -> list[ray.actor.ActorH
         options = dict(resources)
         if group is not None:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank)
-        shards.append(TensorShard.options(**options).remote(config.model_dump(), rank, init_method))
+        shards.append(ShardActor.options(**options).remote(config.model_dump(), rank, init_method))
     return shards

@@ -68,7 +68,7 @@ def free_init_method(host: str = "127.0.0.1") -> str:
         return f"tcp://{host}:{probe.getsockname()[1]}"
 
 
-class TensorGroup:
+class ShardGroup:
     """This process's place in its replica's group (one group per process: torch's
     default). `rank` and `world` are its place among its stage's tensor shards (what the
     split and the collectives go by); `shard` its place in the whole replica."""
