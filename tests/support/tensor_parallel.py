@@ -69,6 +69,7 @@ PIPELINE_CASES = [
 TENSOR_PIPELINE_CASES = [
     ("tp-pp-llama-3-layers-chunked-packed", _three_layer_llama, 5, True),
     ("tp-pp-llama-tokenizer-guided", _tokenizer_llama, 64, False),
+    ("tp-pp-qwen3-chunked", lambda: (qwen3_head_norms(), None), 5, False),
 ]
 # Each way to split: its shard layout and its cases.
 SPLITS = {

@@ -25,7 +25,9 @@ from workers.parallel.sliced_load import load_split_model
 from workers.parallel.tensor_split import TensorSplitError
 
 
-def _split_outputs(split: str) -> dict[str, dict]:
+def _split_outputs(split: str, while_they_run) -> dict[str, dict]:
+    """Each case's outputs from the split processes; `while_they_run()` runs here while
+    they start (their imports take seconds)."""
     layout, cases = SPLITS[split]
     context = mp.get_context("spawn")
     results = context.Queue()
@@ -36,6 +38,7 @@ def _split_outputs(split: str) -> dict[str, dict]:
         process.start()
     outputs: dict[str, dict] = {}
     try:
+        while_they_run()
         while len(outputs) < len(cases):
             name, value = results.get(timeout=240)
             assert name != "error", value
@@ -53,11 +56,13 @@ def _split_outputs(split: str) -> dict[str, dict]:
 
 @pytest.mark.parametrize("split", list(SPLITS))
 def test_a_split_model_gives_the_whole_models_tokens_and_logprobs(split):
-    outputs = _split_outputs(split)
-    layout, cases = SPLITS[split]
+    cases = SPLITS[split][1]
+    references: dict[str, dict] = {}
+    outputs = _split_outputs(split, lambda: references.update({case[0]: reference(case, lora=True)
+                                                                 for case in cases}))
     for case in cases:
         name = case[0]
-        want, got = reference(case, lora=True), outputs[name]
+        want, got = references[name], outputs[name]
         assert want["hit_tokens"] > 0 and got["hit_tokens"] == want["hit_tokens"], name
         assert len(got["mixed"]) == 16, name
         for w, g in zip(want["greedy"] + want["mixed"], got["greedy"] + got["mixed"], strict=True):
