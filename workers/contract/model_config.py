@@ -258,7 +258,9 @@ class ModelConfig(_Strict):
     id: str = Field(min_length=1, description="the name clients pass as `model`")
     source: str = Field(
         BUILTIN_DEFAULT_MODEL,
-        description="a transformers model directory, a .gguf file, or " + BUILTIN_DEFAULT_MODEL,
+        description="a transformers model directory, a .gguf file, a Hugging Face Hub id (org/name or "
+        "org/name@revision: safetensors and configs fetched into huggingface_hub's cache, HF_HUB_CACHE or "
+        "HF_HOME; read from the cache alone with HF_HUB_OFFLINE=1), or " + BUILTIN_DEFAULT_MODEL,
     )
     device: Literal["cpu", "cuda"] = Field(
         "cpu", description="where the model runs; cuda needs deployment.ray_actor_options.num_gpus > 0")

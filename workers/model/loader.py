@@ -31,6 +31,7 @@ from transformers import (
 from workers.contract.model_config import BUILTIN_DEFAULT_MODEL
 from workers.model.cpu_linear import has_native_bf16_matmul, pack_linear_layers
 from workers.model.fused_projections import fuse_sibling_projections
+from workers.model.hub_source import HubId, resolve_hub_model
 
 logger = logging.getLogger(__name__)
 
@@ -79,12 +80,15 @@ def resolve_gguf(source: str) -> Path | None:
 
 
 def prepare_model_dir(source: str, cache_dir: Path | None = None) -> Path:
-    """Return a transformers directory for `source`, converting a GGUF once if needed."""
+    """Return a transformers directory for `source` (a directory, a Hub id resolved through
+    huggingface_hub's cache, or a GGUF file converted once)."""
     gguf = resolve_gguf(source)
     if gguf is None:
-        path = Path(source)
+        hub = HubId.parse(source)
+        path = resolve_hub_model(hub) if hub is not None else Path(source)
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model source {source!r} is not a transformers directory (no config.json)")
+            raise FileNotFoundError(f"model source {source!r} is not a transformers directory (no config.json), "
+                                    "a .gguf file or a Hub id (org/name)")
         return path
     if not gguf.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf}")
