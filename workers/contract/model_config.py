@@ -180,8 +180,8 @@ class ParallelConfig(_Strict):
         "Granite, ...) by transformers' forward, their vocabulary whole on every shard")
     pipeline_parallel_size: int = Field(
         1, ge=1, le=64, description="layer stages one replica splits the model into (Llama, Mistral, Qwen2 and "
-        "Qwen3), each of tensor_parallel_size shards (one step in the pipeline at a time; a step of 256 tokens or more runs through the stages in "
-        "micro-batches, so they overlap)")
+        "Qwen3), each of tensor_parallel_size shards (one step in the pipeline at a time; a step of 256 tokens or "
+        "more runs through the stages in micro-batches, so they overlap)")
     placement_group_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
         "STRICT_PACK", description="how Ray places the shards' bundles: STRICT_PACK keeps the replica on one node; "
         "PACK lets it spill to other nodes (bundles are in shard order, a stage's tensor shards consecutive, so "

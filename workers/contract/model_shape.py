@@ -1,7 +1,8 @@
 """The sizes a tensor-parallel split divides, read from a model's config (a transformers
 config object or its config.json as a dict), whether a split over N shards can divide
-them, and which families can be split at all. Torch-free: the ingress checks a local checkpoint's config at start with it, and
-each shard again before it reads its slices (workers/parallel/)."""
+them, and which families can be split at all. Torch-free: the ingress checks a local
+checkpoint's config at start with it, and each shard again before it reads its slices
+(workers/parallel/)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# The families the direct forward runs (workers/model/direct_forward.py), the only ones split.
-SPLITTABLE_FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# The families the direct forward runs (workers/model/direct_forward.py): split by tensors
+# and by layers; other families with a transformers plan (follows_plan) by tensors only.
+DIRECT_FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 def _reader(config: Any):
@@ -53,9 +55,12 @@ def follows_plan(config: Any) -> bool:
         key.rsplit(".", 1)[-1] in PLAN_MODULES for key in plan)
 
 
+def _kinds(config: Any, kinds: list[str] | None) -> list[str]:
+    return kinds if kinds is not None else _reader(config)("architectures") or []
+
+
 def is_direct_family(config: Any, kinds: list[str] | None = None) -> bool:
-    kinds = kinds if kinds is not None else _reader(config)("architectures") or []
-    return any(kind in SPLITTABLE_FAMILIES for kind in kinds)
+    return any(kind in DIRECT_FAMILIES for kind in _kinds(config, kinds))
 
 
 def split_problem(config: Any, world: int, kinds: list[str] | None = None) -> str | None:
@@ -63,10 +68,10 @@ def split_problem(config: Any, world: int, kinds: list[str] | None = None) -> st
     `architectures`) cannot be split over `world` tensor shards, or None. A config.json
     read as a dict carries no plan: only the sizes are checked for other families (the
     worker checks the family when it loads the config)."""
+    kinds = _kinds(config, kinds)
     if world > 1 and not is_direct_family(config, kinds) and not isinstance(config, dict) \
             and not follows_plan(config):
-        kinds = kinds if kinds is not None else _reader(config)("architectures") or []
-        return f"tensor parallelism runs the direct forward's families ({', '.join(SPLITTABLE_FAMILIES)}) and " \
+        return f"tensor parallelism runs the direct forward's families ({', '.join(DIRECT_FAMILIES)}) and " \
                f"those whose transformers config has a column/row tensor-parallel plan, not {kinds}"
     shape = SplitShape.of(config)
     sizes = {"attention heads": shape.heads, "KV heads": shape.kv_heads, "intermediate size": shape.intermediate}
@@ -81,9 +86,8 @@ def stage_problem(config: Any, stages: int) -> str | None:
     if stages == 1:
         return None
     if not is_direct_family(config):
-        kinds = _reader(config)("architectures") or []
-        return f"pipeline parallelism runs the direct forward's families only ({', '.join(SPLITTABLE_FAMILIES)}), " \
-               f"not {kinds}"
+        return f"pipeline parallelism runs the direct forward's families only ({', '.join(DIRECT_FAMILIES)}), " \
+               f"not {_kinds(config, None)}"
     layers = _reader(config)("num_hidden_layers") or 0
     if stages > layers:
         return f"pipeline_parallel_size {stages} is more than the model's {layers} layers"

@@ -19,8 +19,7 @@ from workers.model.triton_attention import triton_available
 from workers.parallel.driver import DriverForward
 from workers.parallel.pipeline import StageLayers
 from workers.parallel.shard_group import ShardGroup
-from workers.parallel.shard_loop import shard_kv_shape, shard_lora, stage_forward
-from workers.parallel.transformers_split import tensor_shard_forward
+from workers.parallel.shard_loop import shard_kv_shape, shard_lora, split_forward
 from workers.sampling.guided import GuidedDecoder
 
 logger = logging.getLogger(__name__)
@@ -84,15 +83,13 @@ def model_runner(model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.d
         if not path.direct:
             raise ValueError("a model split over shards runs the direct forward only "
                              "(engine.direct_forward is off)")
-        if stage is None:
-            driver = DriverForward(tensor_shard_forward(model, shard_group), shard_group)
-        else:
-            driver = DriverForward(stage_forward(model, shard_group, stage), shard_group, stage)
-        if isinstance(lora, LoraManager):  # the shards write each adapter and run each step's rows too
-            driver.lora_context = lora.context
+        lora_context = lora.context if isinstance(lora, LoraManager) else None
+        driver = DriverForward(split_forward(model, shard_group, stage, lora_context), shard_group)
+        if lora_context is not None:  # the shards write each adapter and run each step's rows too
+            driver.lora_context = lora_context
             lora.on_load = driver.record_lora_load
         runner.direct = driver
-    elif path.direct:  # never with LoRA (decode_path)
+    elif path.direct:
         runner.direct = direct_forward_for(model)
     if path.graphs:
         graphs = DecodeGraphs(model, kv_cache, min(limits.cuda_graph_max_batch, limits.max_num_seqs),

@@ -271,7 +271,10 @@ def _language_model_names(model: nn.Module, modules: dict[str, nn.Module]) -> li
 
 
 def _dtype_device(model: nn.Module) -> tuple[torch.dtype, torch.device]:
-    """The model's dtype and device, from a norm's weight: a later pipeline stage holds no
-    embedding (it stays on the meta device), every stage holds its layers' norms."""
-    weight = next(p for name, p in model.named_parameters() if "norm" in name and not p.is_meta)
+    """The model's dtype and device, from its input embedding; on a later pipeline stage,
+    which holds none (it stays on the meta device), from a weight the stage holds (a norm:
+    packed CPU linears keep a meta weight too)."""
+    weight = model.get_input_embeddings().weight
+    if weight.is_meta:
+        weight = next(p for name, p in model.named_parameters() if "norm" in name and not p.is_meta)
     return weight.dtype, weight.device

@@ -71,10 +71,10 @@ FAMILIES = {
     "Qwen2ForCausalLM": "Qwen2RMSNorm",
     "Qwen3ForCausalLM": "Qwen3RMSNorm",
 }
-HEAD_NORMS = {"Qwen3ForCausalLM"}
+HEAD_NORMS = {"Qwen3ForCausalLM"}  # families whose attention norms q and k per head before the rotation
 # The products the forward calls as modules: a LoraLinear adds each row's adapter delta
 # (workers/lora/layers.py), from the step the model runner sets around the call.
-LINEAR_KINDS = ("Linear", "PackedLinear", "LoraLinear")  # families whose attention norms q and k per head before the rotation
+LINEAR_KINDS = ("Linear", "PackedLinear", "LoraLinear")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """The driver's side of a split replica: each step goes to the other shards (the packed
-inputs and the KV block copies since the last step), then the driver runs its own part of
-the forward (its tensor shard, or the first pipeline stage) and gets the whole logits back."""
+inputs, the KV block copies and LoRA slot loads since the last step, the step's LoRA
+rows), then the driver runs its own part of the forward (its tensor shard, or its part of
+the first pipeline stage) and gets the whole logits back."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from workers.lora.layers import LoraContext
 from workers.lora.peft_files import LoraAdapter
 from workers.model.attention import AttentionMetadata
 from workers.model.direct_forward import DirectForward
-from workers.parallel.pipeline import StageLayers, run_first_stage
+from workers.parallel.pipeline import PipelineStageForward
 from workers.parallel.shard_group import ShardGroup
 from workers.parallel.step_message import StepMessage
+from workers.parallel.transformers_split import TransformersShardForward
 
 
 class ShardGroupLost(BaseException):
@@ -24,13 +26,13 @@ class ShardGroupLost(BaseException):
 
 
 class DriverForward:
-    """Stands where the runner's DirectForward stands, on shard 0. `stage`: the model is
-    split in pipeline stages and this is the first (else it is split by tensors)."""
+    """Stands where the runner's DirectForward stands, on shard 0, around this shard's
+    forward (which returns the whole logits on the driver)."""
 
-    def __init__(self, forward: DirectForward, group: ShardGroup, stage: StageLayers | None = None) -> None:
+    def __init__(self, forward: DirectForward | TransformersShardForward | PipelineStageForward,
+                 group: ShardGroup) -> None:
         self.forward = forward
         self.group = group
-        self.stage = stage
         self.vocab_size = forward.vocab_size
         # Called before ShardGroupLost is raised: the worker replica ends its process there,
         # so that its requests' streams break and resume on another replica.
@@ -54,9 +56,6 @@ class DriverForward:
         lora_step = self.lora_context.step if self.lora_context is not None else None
         try:
             self.group.send(StepMessage.of(input_ids, position_ids, meta, logits_to_keep, copies, lora_step, loads))
-            if self.stage is not None:
-                return run_first_stage(self.forward, self.group, self.stage, input_ids, position_ids, meta,
-                                       logits_to_keep, self.vocab_size, self.lora_context)
             return self.forward(input_ids, position_ids, meta, logits_to_keep)
         except Exception as exc:
             if self.on_lost is not None:

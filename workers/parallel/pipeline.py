@@ -22,7 +22,7 @@ import torch
 from workers.lora.layers import LoraContext
 from workers.model.attention import AttentionMetadata
 from workers.model.direct_forward import DirectForward
-from workers.parallel.micro_batches import micro_batches
+from workers.parallel.micro_batches import MicroBatch, micro_batches
 from workers.parallel.shard_group import ShardGroup
 
 _LAYER_PREFIX = "model.layers."
@@ -67,21 +67,25 @@ class StageLayers:
 
 
 class PipelineStageForward:
-    """A shard's part of each step other than the driver's, micro-batch by micro-batch:
-    hidden states in (or, on the first stage, the embedded tokens), its layers, hidden
-    states (or, on the last stage, the logits for the driver) out."""
+    """A shard's part of each step, micro-batch by micro-batch: hidden states in (or, on
+    the first stage, the embedded tokens), its layers, hidden states (or, on the last
+    stage, the logits for the driver) out. On the driver (the first stage's first shard)
+    it then returns the step's logits [1, K, vocab] from the last stage; elsewhere None."""
 
-    def __init__(self, forward: DirectForward, group: ShardGroup, stage: StageLayers, dtype: torch.dtype) -> None:
+    def __init__(self, forward: DirectForward, group: ShardGroup, stage: StageLayers, dtype: torch.dtype,
+                 lora_context: LoraContext | None = None) -> None:
+        """`lora_context`: this shard's LoRA layers' context, when it has them."""
         self.forward = forward
         self.group = group
         self.stage = stage
         self.dtype = dtype
-        self.lora_context: LoraContext | None = None  # this shard's LoRA layers' context, when it has them
+        self.vocab_size = forward.vocab_size
+        self.lora_context = lora_context
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, meta: AttentionMetadata,
-                 logits_to_keep: torch.Tensor) -> None:
-        parts = micro_batch_count(self.stage, self.lora_context)
-        for part in micro_batches(meta, input_ids.shape[1], logits_to_keep, parts):
+                 logits_to_keep: torch.Tensor) -> torch.Tensor | None:
+        parts = micro_batches(meta, input_ids.shape[1], logits_to_keep, self._parts())
+        for part in parts:
             if self.stage.first:
                 hidden = self.forward.embed_ids(input_ids[:, part.tokens])
             else:
@@ -95,28 +99,18 @@ class PipelineStageForward:
                 if logits is not None:
                     self.group.send_tensor(logits[0], 0)  # [K, vocab], to the driver
         self.group.wait_sends()
+        return self._last_stage_logits(parts, logits_to_keep) if self.group.is_driver else None
 
+    def _parts(self) -> int:
+        """As many micro-batches as stages; one while the step has LoRA rows (their runs
+        index the whole step's rows: cutting them is not built)."""
+        lora_step = self.lora_context.step if self.lora_context is not None else None
+        return 1 if lora_step is not None else self.stage.stages
 
-def micro_batch_count(stage: StageLayers, lora_context: LoraContext | None) -> int:
-    """As many micro-batches as stages; one while the step has LoRA rows (their runs index
-    the whole step's rows: cutting them is not built)."""
-    return 1 if lora_context is not None and lora_context.step is not None else stage.stages
-
-
-def run_first_stage(forward: DirectForward, group: ShardGroup, stage: StageLayers, input_ids: torch.Tensor,
-                    position_ids: torch.Tensor, meta: AttentionMetadata, logits_to_keep: torch.Tensor,
-                    vocab_size: int, lora_context: LoraContext | None = None) -> torch.Tensor:
-    """The driver's part of a step: its layers for each micro-batch in turn (each sent on
-    while it runs the next), then the logits [1, K, vocab] from the last stage."""
-    parts = micro_batches(meta, input_ids.shape[1], logits_to_keep, micro_batch_count(stage, lora_context))
-    for part in parts:
-        hidden = forward.run_layers(forward.embed_ids(input_ids[:, part.tokens]), position_ids[:, part.tokens],
-                                    part.meta)
-        group.send_tensor(hidden, 1)
-    logits = torch.empty((logits_to_keep.shape[0], vocab_size), dtype=hidden.dtype, device=hidden.device)
-    for part in parts:
-        if part.keep.numel():
-            logits[part.kept_at] = group.receive_tensor((part.keep.shape[0], vocab_size), hidden.dtype,
-                                                        stage.stages - 1)
-    group.wait_sends()
-    return logits.unsqueeze(0)
+    def _last_stage_logits(self, parts: list[MicroBatch], logits_to_keep: torch.Tensor) -> torch.Tensor:
+        logits = torch.empty((logits_to_keep.shape[0], self.vocab_size), dtype=self.dtype, device=self.group.device)
+        for part in parts:
+            if part.keep.numel():
+                logits[part.kept_at] = self.group.receive_tensor((part.keep.shape[0], self.vocab_size), self.dtype,
+                                                                 self.stage.stages - 1)
+        return logits.unsqueeze(0)

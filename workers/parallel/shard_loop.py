@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from workers.core.limits import LoraLimits
+from workers.lora.layers import LoraContext
 from workers.lora.manager import LoraManager
 from workers.model.direct_forward import DirectForward
 from workers.model.kv_cache import KVCacheShape, PagedKVCache
@@ -19,7 +20,10 @@ from workers.parallel.lora_split import AdapterCut
 from workers.parallel.pipeline import PipelineStageForward, StageLayers
 from workers.parallel.shard_group import ShardGroup
 from workers.parallel.step_message import StepMessage
-from workers.parallel.transformers_split import tensor_shard_forward
+from workers.parallel.transformers_split import (
+    TransformersShardForward,
+    tensor_shard_forward,
+)
 
 
 @dataclass(frozen=True)
@@ -49,9 +53,15 @@ def shard_lora(model: nn.Module, limits: LoraLimits, group: ShardGroup,
     return LoraManager(model, limits, AdapterCut(model.config, group.position, stage))
 
 
-def stage_forward(model: nn.Module, group: ShardGroup, stage: StageLayers) -> DirectForward:
-    """A pipeline stage's layers, over its tensor shards when it has several."""
-    return DirectForward(model, group if group.world > 1 else None, layers=stage.layers)
+def split_forward(model: nn.Module, group: ShardGroup, stage: StageLayers | None,
+                  lora_context: LoraContext | None) -> DirectForward | TransformersShardForward | PipelineStageForward:
+    """This shard's forward: its tensor part, or its part of its pipeline stage (over the
+    stage's tensor shards when it has several). Build it after any LoRA layers wrap the
+    products."""
+    if stage is None:
+        return tensor_shard_forward(model, group)
+    layers = DirectForward(model, group if group.world > 1 else None, layers=stage.layers)
+    return PipelineStageForward(layers, group, stage, model.dtype, lora_context)
 
 
 class ShardLoop:
@@ -65,11 +75,7 @@ class ShardLoop:
         self.kv_cache = PagedKVCache(shape, plan.num_blocks, plan.block_size, device)
         # Before the forward: it calls the LoRA layers where they wrap the projections.
         self.lora = shard_lora(model, plan.lora, group, stage) if plan.lora is not None else None
-        if stage is None:
-            self.forward = tensor_shard_forward(model, group)
-        else:
-            self.forward = PipelineStageForward(stage_forward(model, group, stage), group, stage, model.dtype)
-            self.forward.lora_context = self.lora.context if self.lora is not None else None
+        self.forward = split_forward(model, group, stage, self.lora.context if self.lora is not None else None)
         self.steps = 0
 
     @torch.inference_mode()

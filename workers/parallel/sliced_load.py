@@ -36,8 +36,8 @@ logger = logging.getLogger(__name__)
 
 def load_split_model(path: Path, position: TensorRank, dtype: torch.dtype, device: str,
                      attn_implementation: str | None = None, stage: StageLayers | None = None) -> nn.Module:
-    """`position`'s part of the causal LM in `path` (safetensors files), or pipeline
-    `stage`'s layers, on `device`, unfused and unpacked; raises TensorSplitError when the
+    """`position`'s tensor part of the causal LM in `path` (safetensors files), of pipeline
+    `stage`'s layers only when given, on `device`, unfused and unpacked; raises TensorSplitError when the
     model cannot be split so."""
     config = AutoConfig.from_pretrained(path)
     reason = split_problem(config, position.world) or (stage_problem(config, stage.stages) if stage else None)

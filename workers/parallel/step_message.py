@@ -1,8 +1,9 @@
 """What the driver sends the other shards each step: the packed model inputs, the KV block
 copies of that step (copy-on-write of shared prefix blocks), so that every shard writes
 and reads the same slots of its own part of the KV pool, and the step's LoRA rows with the
-adapters written into slots since the last step. Only tensors and a few
-integers cross; each shard rebuilds the attention metadata around its own pool."""
+adapters written into slots since the last step (their whole weights, once a load). Only
+tensors and a few integers cross; each shard rebuilds the attention metadata around its
+own pool."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ class StepMessage:
         return cls(input_ids, position_ids, logits_to_keep, meta.slot_mapping, meta.num_decode_tokens,
                    meta.decode_blocks, meta.decode_mask, meta.decode_context_lens,
                    [(s.start, s.end, s.context_slots, s.mask) for s in meta.prefills], list(block_copies),
-                   lora_step, list(lora_loads or []))
+                   lora_step, lora_loads or [])
 
     def metadata(self, kv_cache: PagedKVCache) -> AttentionMetadata:
         return AttentionMetadata(

@@ -25,6 +25,9 @@ from torch import nn
 from workers.contract.model_shape import SplitShape
 from workers.parallel.shard_group import TensorRank
 
+# The products split by their input columns: each shard's output is a partial sum.
+ROW_SPLIT = ("o_proj", "down_proj")
+
 
 class TensorSplitError(ValueError):
     """The model cannot be split over this many shards."""
@@ -56,7 +59,7 @@ def cut_for(name: str, shape: SplitShape, position: TensorRank, vocab_split: boo
         return Cut(0, *kv)
     if owner in ("gate_proj", "up_proj"):
         return Cut(0, *mlp)
-    if owner in ("o_proj", "down_proj"):
+    if owner in ROW_SPLIT:
         if kind == "bias":
             return None if position.rank == 0 else Cut(0, zero=True)
         return Cut(1, *(q if owner == "o_proj" else mlp))

@@ -17,8 +17,7 @@ from torch import nn
 from workers.model.attention import AttentionMetadata
 from workers.model.direct_forward import DirectForward, unsupported_reason
 from workers.parallel.shard_group import ShardGroup
-
-_ROW_SPLIT = ("o_proj", "down_proj")
+from workers.parallel.tensor_split import ROW_SPLIT
 
 
 class TransformersShardForward:
@@ -30,7 +29,7 @@ class TransformersShardForward:
         self.group = group
         self.vocab_size = model.config.get_text_config().vocab_size
         for name, module in model.named_modules():
-            if name.rsplit(".", 1)[-1] in _ROW_SPLIT:
+            if name.rsplit(".", 1)[-1] in ROW_SPLIT:
                 module.register_forward_hook(self._summed)
 
     def _summed(self, module: nn.Module, inputs, output: torch.Tensor) -> torch.Tensor:

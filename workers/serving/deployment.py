@@ -41,7 +41,7 @@ def _end_replica(cause: BaseException) -> None:
     """A split model lost a shard mid-step: end this replica's process now, so that its
     requests' streams break and resume on another replica (an engine that merely stopped
     would answer them with errors), and Serve replaces the replica with all its shards."""
-    logger.critical("a tensor-parallel shard was lost (%s: %s): ending this replica", type(cause).__name__, cause)
+    logger.critical("a shard of the split model was lost (%s: %s): ending this replica", type(cause).__name__, cause)
     logging.shutdown()
     os._exit(70)
 
@@ -184,7 +184,7 @@ class ModelWorker:
             except Exception as exc:  # noqa: BLE001 - dead, or not answering: either way the replica goes
                 failure = f"{type(exc).__name__}: {exc}"
             if failure is not None:
-                raise RuntimeError(f"tensor-parallel shard {rank} is not running: {failure}")
+                raise RuntimeError(f"shard {rank} of the split model is not running: {failure}")
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)

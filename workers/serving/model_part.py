@@ -1,4 +1,4 @@
-"""Loading a worker's model, or one tensor-parallel shard's part of it, on the calling
+"""Loading a worker's model, or one shard's part of it (split by tensors or layers), on the calling
 thread's torch threads."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from workers.contract.model_config import ModelConfig
+from workers.contract.model_shape import stage_problem
 from workers.model.attention import register_paged_attention
 from workers.model.cpu_linear import pack_linear_layers
 from workers.model.fused_projections import fuse_sibling_projections
@@ -41,11 +42,16 @@ def load_part(config: ModelConfig, rank: int) -> tuple[LoadedModel, StageLayers 
         return load_model(config.source, config.device, config.dtype, cache_dir, attn_implementation=attn,
                           pack_cpu_weights=config.pack_cpu_weights, fuse_projections=config.fuse_projections), None
     path = prepare_model_dir(config.source, cache_dir)
+    hf_config = AutoConfig.from_pretrained(path)
     stage = None
     if layout.stages > 1:
-        stage = StageLayers.of(layout.stage_of(rank), layout.stages, AutoConfig.from_pretrained(path).num_hidden_layers)
+        reason = stage_problem(hf_config, layout.stages)
+        if reason is not None:
+            raise ValueError(f"model {config.id!r}: parallel.pipeline_parallel_size: {reason}")
+        stage = StageLayers.of(layout.stage_of(rank), layout.stages, hf_config.num_hidden_layers)
     try:
-        model = load_split_model(path, layout.position(rank), _split_dtype(config, path), config.device, attn, stage)
+        model = load_split_model(path, layout.position(rank), _split_dtype(config, hf_config), config.device, attn,
+                                 stage)
     except TensorSplitError as exc:
         raise ValueError(f"model {config.id!r}: parallel.{config.parallel.split_field}: {exc}") from None
     if (path / "generation_config.json").is_file():
@@ -60,11 +66,11 @@ def shard_layout(config: ModelConfig) -> ShardLayout:
     return ShardLayout(config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size)
 
 
-def _split_dtype(config: ModelConfig, path: Path) -> torch.dtype:
+def _split_dtype(config: ModelConfig, hf_config) -> torch.dtype:
     dtype = resolve_dtype(config.dtype, config.device)
     if isinstance(dtype, torch.dtype):
         return dtype
-    declared = AutoConfig.from_pretrained(path).dtype  # `auto` on cuda: the checkpoint's own
+    declared = hf_config.dtype  # `auto` on cuda: the checkpoint's own
     return declared if isinstance(declared, torch.dtype) else torch.float32
 
 
