@@ -274,8 +274,11 @@ class OfflineReport:
 
 
 def offline_level(engine: LLMEngine, prompt_ids: list[int], concurrency: int, num_requests: int,
-                  max_tokens: int, loras: tuple[str | None, ...] = (None,)) -> OfflineReport:
-    """`loras`: the adapter keys requests take in turn (None: the base model)."""
+                  max_tokens: int, loras: tuple[str | None, ...] = (None,), staggered: bool = False) -> OfflineReport:
+    """`loras`: the adapter keys requests take in turn (None: the base model). `staggered`:
+    the first `concurrency` requests come in one a step rather than all at once, so they
+    end, and their successors come, spread over the steps as they do over HTTP (all at
+    once, they run in lockstep: one prefill step for the whole batch, then only decodes)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.8, ignore_eos=True)
     added: dict[int, float] = {}
     times: dict[int, list[float]] = {}
@@ -284,13 +287,16 @@ def offline_level(engine: LLMEngine, prompt_ids: list[int], concurrency: int, nu
         added[engine.add_request(prompt_ids, params, lora=loras[len(added) % len(loras)])] = time.perf_counter()
 
     start = time.perf_counter()
-    for _ in range(min(concurrency, num_requests)):
+    first_wave = min(concurrency, num_requests)
+    for _ in range(1 if staggered else first_wave):
         add()
     while engine.has_work():
         for event in engine.step():
             times.setdefault(event.request_id, []).append(event.time)
             if event.request_finished and len(added) < num_requests:  # closed loop, as the HTTP bench
                 add()
+        if len(added) < first_wave:
+            add()
     wall = time.perf_counter() - start
     ttfts = [(times[r][0] - added[r]) * 1000 for r in added]
     tpots = [(t[-1] - t[0]) / (len(t) - 1) * 1000 for t in times.values() if len(t) > 1]

@@ -156,7 +156,7 @@ def _replay_ms(engine: LLMEngine, batch: int, reps: int) -> float | None:
     graphs = engine.decode_graphs
     if graphs is None or not graphs.fits(batch):
         return None
-    graph = graphs.graphs[next(s for s in graphs.sizes if s >= batch)]
+    graph = graphs.graphs[next(s for s in graphs.sizes if s >= batch), False]  # (size, with LoRA)
     _sync(engine.device)
     start = time.perf_counter()
     for _ in range(reps):
