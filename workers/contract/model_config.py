@@ -260,7 +260,9 @@ class ModelConfig(_Strict):
         BUILTIN_DEFAULT_MODEL,
         description="a transformers model directory, a .gguf file, a Hugging Face Hub id (org/name or "
         "org/name@revision: safetensors and configs fetched into huggingface_hub's cache, HF_HUB_CACHE or "
-        "HF_HOME; read from the cache alone with HF_HUB_OFFLINE=1), or " + BUILTIN_DEFAULT_MODEL,
+        "HF_HOME; read from the cache alone with HF_HUB_OFFLINE=1), or " + BUILTIN_DEFAULT_MODEL + ". A GGUF "
+        "file and a GPTQ, AWQ (4-bit) or FP8 checkpoint are dequantized once into a float copy in the model cache "
+        "(the weights are not kept packed)",
     )
     device: Literal["cpu", "cuda"] = Field(
         "cpu", description="where the model runs; cuda needs deployment.ray_actor_options.num_gpus > 0")

@@ -32,6 +32,10 @@ from workers.contract.model_config import BUILTIN_DEFAULT_MODEL
 from workers.model.cpu_linear import has_native_bf16_matmul, pack_linear_layers
 from workers.model.fused_projections import fuse_sibling_projections
 from workers.model.hub_source import HubId, resolve_hub_model
+from workers.model.quantized_checkpoint import (
+    dequantized_model_dir,
+    quantization_method,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +85,8 @@ def resolve_gguf(source: str) -> Path | None:
 
 def prepare_model_dir(source: str, cache_dir: Path | None = None) -> Path:
     """Return a transformers directory for `source` (a directory, a Hub id resolved through
-    huggingface_hub's cache, or a GGUF file converted once)."""
+    huggingface_hub's cache, or a GGUF file converted once); a GPTQ, AWQ or FP8 checkpoint
+    is dequantized once into a float copy (workers/model/quantized_checkpoint.py)."""
     gguf = resolve_gguf(source)
     if gguf is None:
         hub = HubId.parse(source)
@@ -89,7 +94,8 @@ def prepare_model_dir(source: str, cache_dir: Path | None = None) -> Path:
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model source {source!r} is not a transformers directory (no config.json), "
                                     "a .gguf file or a Hub id (org/name)")
-        return path
+        method = quantization_method(path)  # GPTQ/AWQ/FP8: dequantized once into the cache
+        return path if method is None else dequantized_model_dir(path, method, cache_dir or default_cache_dir())
     if not gguf.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf}")
     stat = gguf.stat()
