@@ -68,7 +68,9 @@ def _plain(tokens: list[str], start: int, count: int) -> bool:
     return all(t.isascii() and t for t in tokens[start - 1:start + count + 1])
 
 
-def test_stop_string_and_stop_token_cut_logprobs_like_the_text(tools_app, tiny_tokenizer):
+def test_stop_string_and_stop_token_cut_the_text_and_keep_every_generated_tokens_entry(tools_app, tiny_tokenizer):
+    """One logprob entry per generated token, as usage counts them (vLLM's rule): the text
+    stops before a stop string or a hidden stop token, their tokens' entries do not."""
     client = openai.OpenAI(base_url=tools_app + "/v1", api_key="unused", max_retries=0)
     # 16 tokens: this greedy answer ends on a whole character (a token cut mid-character has
     # an entry though the text cannot show it).
@@ -78,14 +80,19 @@ def test_stop_string_and_stop_token_cut_logprobs_like_the_text(tools_app, tiny_t
     assert free.finish_reason == "length" and "".join(tokens) == free.message.content
     at = next(i for i in range(1, 13) if _plain(tokens, i, 2))
     stop = "".join(tokens[at:at + 2])  # a stop string over two tokens
-    cut = client.chat.completions.create(stop=[stop], **kwargs).choices[0]
+    reply = client.chat.completions.create(stop=[stop], **kwargs)
+    cut = reply.choices[0]
     assert cut.finish_reason == "stop" and cut.message.content == free.message.content.split(stop)[0]
-    assert "".join(e.token for e in cut.logprobs.content) == cut.message.content
-    # A stop token (not shown): neither in the text nor in the logprobs.
+    entries = [e.token for e in cut.logprobs.content]
+    assert entries == tokens[:len(entries)] and len(entries) == reply.usage.completion_tokens
+    assert "".join(entries).startswith(cut.message.content + stop)  # the stop string's tokens have entries
+    # A stop token (not shown): not in the text, in the logprobs as the last entry.
     at = next(i for i in range(1, 14) if _plain(tokens, i, 1)
               and len(tiny_tokenizer(tokens[i], add_special_tokens=False)["input_ids"]) == 1)
     [stop_id] = tiny_tokenizer(tokens[at], add_special_tokens=False)["input_ids"]
     first = tokens.index(tokens[at])
-    by_id = client.chat.completions.create(**kwargs, extra_body={"stop_token_ids": [stop_id]}).choices[0]
+    reply = client.chat.completions.create(**kwargs, extra_body={"stop_token_ids": [stop_id]})
+    by_id = reply.choices[0]
     assert (by_id.finish_reason, by_id.message.content) == ("stop", "".join(tokens[:first]))
-    assert [e.token for e in by_id.logprobs.content] == tokens[:first]
+    assert [e.token for e in by_id.logprobs.content] == tokens[:first + 1]
+    assert reply.usage.completion_tokens == first + 1

@@ -1,8 +1,9 @@
 """One choice of a request on its way out: its tokens become text (detokenized, cut at a
-stop string), timings and logprobs, one `GenerationChunk` per batch of its events. A
-token's logprob goes out with its text (an EOS or stop token not shown, or text cut at a
-stop string, has none). A resumed choice first replays the ids its client already has, so
-its text goes on exactly."""
+stop string), timings and logprobs, one `GenerationChunk` per batch of its events. Every
+generated token has one logprob entry, as usage counts it (vLLM's rule): an entry goes out
+with its token's text, and when the choice ends, the entries of tokens the text does not
+show (the EOS or stop token that ends it, tokens cut off with a stop string) go out too. A
+resumed choice first replays the ids its client already has, so its text goes on exactly."""
 
 from __future__ import annotations
 
@@ -96,6 +97,9 @@ class ChoiceOutput:
             chunk.token_ids.append(event.token_id)
             if self._shows_token(event):
                 self._add_text(event, texts, chunk.logprobs is not None)
+            elif chunk.logprobs is not None and event.logprob is not None:
+                end = len(self.stops.text)  # no text of its own: its entry waits for the end
+                self.held_logprobs.add(end, end, self._token_logprob(event))
             if self.stops.matched is not None:
                 chunk.finish_reason, chunk.stop_reason = FinishReason.STOP.value, self.stops.matched
                 break
@@ -122,9 +126,7 @@ class ChoiceOutput:
 
     def _released_logprobs(self) -> list[TokenLogprob]:
         """The entries of the tokens whose text this chunk carries (all, once the choice ends)."""
-        if self.stops.matched is not None:
-            return self.held_logprobs.cut(len(self.stops.text))
-        if self.finished:
+        if self.finished:  # also by a stop string: entries of the cut-off tokens go out too
             return self.held_logprobs.flush()
         return self.held_logprobs.release(self.stops.released)
 

@@ -1,6 +1,6 @@
 """Log-probabilities that travel with their token's text: a token's entry goes out when the
-stop matcher releases its text, and is dropped when a stop string cuts its text off, so
-`logprobs` lists exactly the tokens of the content, in streams too."""
+stop matcher releases its text, in streams too; the entries of tokens without text of their
+own (a hidden EOS, text a stop string cut off) go out when the output ends."""
 
 from __future__ import annotations
 
@@ -40,16 +40,9 @@ class HeldLogprobs:
         del self._items[:count]
         return out
 
-    def cut(self, text_end: int) -> list[TokenLogprob]:
-        """A stop string ended the text at `text_end`: the entries of tokens with text before
-        it; those wholly in the cut-off part are dropped."""
-        out = [item.logprob for item in self._items if item.start < text_end]
-        self._items.clear()
-        return out
-
     def flush(self) -> list[TokenLogprob]:
-        """The output ended: every entry left, also of tokens still without text (the first
-        bytes of a character the output never finished: sampled output, whose bytes the
-        entry's `bytes` carry though the text cannot show them)."""
+        """The output ended: every entry left, also of tokens without text (the first bytes of
+        a character the output never finished, whose bytes the entry's `bytes` carry though
+        the text cannot show them; a hidden EOS or stop token; text a stop string cut off)."""
         out, self._items = [item.logprob for item in self._items], []
         return out

@@ -1,6 +1,7 @@
-"""Logprobs travel with their text (workers/serving/choice_output.py): the EOS or stop token
-and tokens cut off with a stop string have no entry, and a stream's entries arrive with
-the text of their tokens, also when a possible stop string or a partial character holds it."""
+"""Logprobs travel with their text (workers/serving/choice_output.py): every generated token
+has one entry, as usage counts it (vLLM's rule), the hidden EOS or stop token and tokens cut
+off with a stop string included (they go out at the end); a stream's entries arrive with the
+text of their tokens, also when a possible stop string or a partial character holds it."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def events_of(tokenizer, text: str, finish: FinishReason, stop_token: int | None
 
 
 def run(tokenizer, events: list[TokenEvent], per_chunk: int, **params) -> list[tuple[str, list[str]]]:
-    """(text, logprob tokens) of each chunk, `per_chunk` events a chunk."""
+    """(text, logprob tokens) of each chunk, `per_chunk` events a chunk; every token the
+    usage counts has one entry."""
     output = ChoiceOutput(tokenizer, [1, 2], SamplingParams(logprobs=0, **params), arrival=0.0)
     usage, chunks = Usage(prompt_tokens=2), []
     for i in range(0, len(events), per_chunk):
@@ -34,14 +36,17 @@ def run(tokenizer, events: list[TokenEvent], per_chunk: int, **params) -> list[t
         chunks.append((chunk.text, [t.token for t in chunk.logprobs]))
         if chunk.finish_reason is not None:
             break
+    assert sum(len(toks) for _, toks in chunks) == usage.completion_tokens
     return chunks
 
 
 @pytest.mark.parametrize("per_chunk", [1, 2, 100])
-def test_no_entry_for_the_eos_token(tiny_tokenizer, per_chunk):
+def test_the_hidden_eos_token_has_the_last_entry(tiny_tokenizer, per_chunk):
     chunks = run(tiny_tokenizer, events_of(tiny_tokenizer, "Hello there world", FinishReason.STOP), per_chunk)
     assert "".join(t for t, _ in chunks) == "Hello there world"
-    assert "".join(tok for _, toks in chunks for tok in toks) == "Hello there world"
+    eos = tiny_tokenizer.decode([tiny_tokenizer.eos_token_id])
+    assert "".join(tok for _, toks in chunks for tok in toks) == "Hello there world" + eos
+    assert chunks[-1][1][-1] == eos
 
 
 def test_a_length_finish_keeps_its_last_token(tiny_tokenizer):
@@ -50,14 +55,14 @@ def test_a_length_finish_keeps_its_last_token(tiny_tokenizer):
 
 
 @pytest.mark.parametrize("include", [False, True])
-def test_a_stop_string_cuts_the_entries_with_the_text(tiny_tokenizer, include):
+def test_tokens_cut_off_with_a_stop_string_keep_their_entries(tiny_tokenizer, include):
     events = events_of(tiny_tokenizer, "one two three END four five", FinishReason.LENGTH)
     chunks = run(tiny_tokenizer, events, 1, stop=(" END",), include_stop_str_in_output=include)
     text = "".join(t for t, _ in chunks)
     assert text == ("one two three END" if include else "one two three")
-    assert "".join(tok for _, toks in chunks for tok in toks) == text
+    assert "".join(tok for _, toks in chunks for tok in toks) == "one two three END"  # the generated tokens
     sent_text = sent_tokens = ""
-    for chunk_text, toks in chunks:  # an entry never goes out before its token's text
+    for chunk_text, toks in chunks[:-1]:  # before the end, an entry never goes out before its token's text
         sent_text, sent_tokens = sent_text + chunk_text, sent_tokens + "".join(toks)
         assert sent_text.startswith(sent_tokens), chunks
 
@@ -68,7 +73,8 @@ def test_a_shown_stop_token_keeps_its_entry(tiny_tokenizer):
     chunks = run(tiny_tokenizer, events, 1, stop_token_ids=(stop,), include_stop_str_in_output=True)
     assert [tok for _, toks in chunks for tok in toks][-1] == tiny_tokenizer.decode([stop])
     hidden = run(tiny_tokenizer, events, 1, stop_token_ids=(stop,))
-    assert "".join(tok for _, toks in hidden for tok in toks) == "go"
+    assert "".join(t for t, _ in hidden) == "go"
+    assert [tok for _, toks in hidden for tok in toks][-1] == tiny_tokenizer.decode([stop])  # hidden, counted
 
 
 def test_a_partial_character_waits_with_its_entries(tiny_tokenizer):
@@ -77,8 +83,9 @@ def test_a_partial_character_waits_with_its_entries(tiny_tokenizer):
     chunks = run(tiny_tokenizer, events, 1)
     assert "".join(t for t, _ in chunks) == text
     assert any("\ufffd" in tiny_tokenizer.decode([e.token_id]) for e in events)  # the emoji is split
-    for chunk_text, toks in chunks:
+    for chunk_text, toks in chunks[:-1]:
         assert bool(chunk_text) == bool(toks), chunks  # entries only beside text
+    assert chunks[-1] == ("", [tiny_tokenizer.decode([tiny_tokenizer.eos_token_id])])  # the hidden EOS's
 
 
 def test_a_character_the_output_never_finishes_keeps_its_entries(tiny_tokenizer):
