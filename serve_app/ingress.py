@@ -47,6 +47,7 @@ from serve_app.handle_api import HandleAPI
 from serve_app.http.auth import APIKeyAuth
 from serve_app.http.errors import APIError, not_found_model
 from serve_app.http.exposure import serve_http_address, warn_if_open_without_key
+from serve_app.http.health import ModelHealth, health_report
 from serve_app.http.metrics import (
     CONTENT_TYPE,
     STATUS_CLIENT_GONE,
@@ -154,8 +155,14 @@ class ChatIngress(HandleAPI):
         route_request_log_to_serve()
 
     @api.get("/health")
-    async def health(self) -> dict:
-        return {"status": "ok"}
+    async def health(self) -> Response:
+        """Open (no key): whether each model has a ready worker replica (serve_app/http/health.py)."""
+        models = {}
+        for model_id, transport in self.transports.items():
+            scaling = self.config.model(model_id).deployment.autoscaling_config
+            models[model_id] = ModelHealth(transport.ready_replicas, scaling is not None and scaling.min_replicas == 0)
+        status, body = health_report(models)
+        return JSONResponse(body, status_code=status)
 
     @api.get("/metrics")
     async def prometheus_metrics(self, request: Request) -> Response:

@@ -62,6 +62,11 @@ class WorkerChannels:
         self._replicas: frozenset[str] = frozenset()  # the replicas the router names now
         self._loop: asyncio.AbstractEventLoop | None = None
 
+    @property
+    def ready_replicas(self) -> int:
+        """The worker replicas the router names now (running: Serve lists no other)."""
+        return len(self._replicas)
+
     def start(self) -> None:
         """Follow the worker replicas (call on the ingress's event loop)."""
         if self._loop is None:

@@ -34,8 +34,10 @@ def test_models_list(client):
     assert models.data[0].model_extra["max_model_len"] == 256
 
 
-def test_health(tiny_app):
-    assert httpx.get(tiny_app + "/health").json() == {"status": "ok"}
+def test_health_names_each_models_ready_replicas(tiny_app):
+    resp = httpx.get(tiny_app + "/health")
+    assert resp.status_code == 200
+    assert resp.json() == {"status": "ok", "models": {TINY_MODEL_ID: {"ready_replicas": 1, "ready": True}}}
 
 
 def test_non_streaming_greedy_is_deterministic_with_exact_usage(client):
