@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-gpu fuzz bench bench-cpu bench-transport bench-prefix bench-prefix-routing bench-fairness bench-lora bench-ttft-overhead bench-gpu soak soak-chaos faults clean
+.PHONY: install serve test test-gpu fuzz bench bench-cpu bench-llamacpp bench-transport bench-prefix bench-prefix-routing bench-fairness bench-lora bench-ttft-overhead bench-gpu soak soak-chaos faults clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -66,6 +66,12 @@ fuzz: $(STAMP)
 # random model whose throughput measures the transport alone.
 bench-cpu: $(STAMP)
 	$(BIN)/python -m tools.bench.compare --model default --levels 1 16 32 64 --max-tokens 64
+
+# The CPU anchor on its own file: the Serve path against llama.cpp's llama-server (built once
+# into ~/.cache/chatserve by tools/bench/llamacpp_server.sh) on the default model's Q4_1 GGUF.
+bench-llamacpp: $(STAMP)
+	$(BIN)/python -m tools.bench.compare --model default --levels 1 16 32 64 --max-tokens 64 \
+		--systems engine serve llamacpp --label=-llamacpp
 
 bench-transport: $(STAMP)
 	$(BIN)/python -m tools.bench.compare --model near-free --levels 1 16 64 128 --max-tokens 256 \

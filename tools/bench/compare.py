@@ -1,5 +1,6 @@
 """Side-by-side serving benchmark, one command: the same model and load through chatserve's
-engine offline, its worker path without Ray, the Serve path, and vLLM's CPU server.
+engine offline, its worker path without Ray, the Serve path, vLLM's CPU server and
+llama.cpp's server.
 
     python -m tools.bench.compare --model default --levels 1 16 32 64 --max-tokens 64
     python -m tools.bench.compare --model near-free --levels 1 16 64 128 --max-tokens 256 \
@@ -10,8 +11,11 @@ ignore_eos, a closed loop of max(8, 2C) requests at concurrency C), run one afte
 on this machine, loopback only, every system in the same dtype (--dtype, float32 by
 default). The Serve path is `serve run` of a config written from configs/default.yaml for
 the model, started the way `make serve` starts it (SERVE_ENV); vLLM is `vllm serve` from
-its own venv (tools/bench/vllm_cpu_env.sh) on the same model directory. Prints a table with each system's throughput as a share of the
-engine offline and of vLLM, and writes every report to --out.
+its own venv (tools/bench/vllm_cpu_env.sh) on the same model directory. llama.cpp's
+`llama-server` (built once by tools/bench/llamacpp_server.sh) serves the model's own GGUF
+file (the default model only: a Q4_1 GGUF), one slot per concurrent stream, a thread per
+core. Prints a table with each system's throughput as a share of the engine offline and of
+vLLM, and writes every report to --out.
 """
 
 from __future__ import annotations
@@ -32,11 +36,13 @@ import yaml
 from tools.bench.near_free_model import write_near_free_model
 from tools.servers import stop_session, wait_ready
 from workers.contract.model_config import BUILTIN_DEFAULT_MODEL
-from workers.model.loader import prepare_model_dir
+from workers.model.loader import prepare_model_dir, resolve_gguf
 
 REPO = Path(__file__).resolve().parents[2]
 SERVE_PORT = 8000
 VLLM_PORT = 8011
+LLAMACPP_PORT = 8012
+PEER_TITLES = {"vllm": "vLLM", "llamacpp": "llama.cpp"}
 
 # How `make serve` starts Ray and Serve, less the HTTP edge (the Makefile's SERVE_ENV is
 # this plus EDGES[DEFAULT_EDGE]: a test keeps them equal; the Makefile says why each).
@@ -158,21 +164,49 @@ def bench_vllm(args, model: Model, report: Path) -> None:
         stop_session(process)
 
 
+def llamacpp_command(binary: str, gguf: Path, model_name: str, slots: int, context_per_slot: int) -> list[str]:
+    """llama-server on `gguf`: one slot per concurrent stream (its continuous batching runs
+    them together), a thread per core, the GGUF's own chat template. --no-repack: a Q4_1
+    file crashed at load with its weights repacked (2026-11-25, Xeon)."""
+    return [binary, "-m", str(gguf), "--alias", model_name, "--host", "127.0.0.1", "--port", str(LLAMACPP_PORT),
+            "-t", str(os.cpu_count() or 1), "-np", str(slots), "-c", str(slots * context_per_slot), "--jinja",
+            "--no-repack"]
+
+
+def bench_llamacpp(args, model: Model, report: Path) -> None:
+    gguf = resolve_gguf(model.source)
+    if gguf is None:
+        raise SystemExit(f"llama.cpp serves GGUF files: {model.name} has none (use --model default)")
+    binary = subprocess.run([str(REPO / "tools" / "bench" / "llamacpp_server.sh")], check=True, capture_output=True,
+                            text=True).stdout.strip().splitlines()[-1]
+    cmd = llamacpp_command(binary, gguf, model.name, max(args.levels), context_per_slot=512)
+    log = open(args.out / "llamacpp.log", "w")
+    print("$", " ".join(cmd), flush=True)
+    process = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_ready(f"http://127.0.0.1:{LLAMACPP_PORT}", 300, process)
+        load(args, f"http://127.0.0.1:{LLAMACPP_PORT}", model.name, report)
+    finally:
+        stop_session(process)
+
+
 def levels(path: Path) -> dict[int, dict]:
     return {level["concurrency"]: level for level in json.loads(path.read_text())["levels"]} if path.exists() else {}
 
 
 def summary(results: dict[str, dict[int, dict]]) -> str:
-    engine, vllm = results.get("engine", {}), results.get("vllm", {})
-    lines = ["| system | c | output tok/s | vs engine offline | vs vLLM | TTFT med / p99 ms | TTFT over engine ms "
-             "| TPOT med / p99 ms |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    """One row per system and level; the peer column is vLLM's, else llama.cpp's."""
+    peer_name = "vllm" if "vllm" in results else "llamacpp"
+    engine, peer = results.get("engine", {}), results.get(peer_name, {})
+    lines = [f"| system | c | output tok/s | vs engine offline | vs {PEER_TITLES[peer_name]} | TTFT med / p99 ms "
+             "| TTFT over engine ms | TPOT med / p99 ms |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for system, by_level in results.items():
         for c, level in sorted(by_level.items()):
             tok_s = level["output_tok_s"]
             vs_engine = f"{tok_s / engine[c]['output_tok_s']:.0%}" if c in engine else "-"
-            vs_vllm = f"{tok_s / vllm[c]['output_tok_s']:.2f}x" if c in vllm else "-"
+            vs_peer = f"{tok_s / peer[c]['output_tok_s']:.2f}x" if c in peer else "-"
             ttft_over = f"{level['ttft_median_ms'] - engine[c]['ttft_median_ms']:+.1f}" if c in engine else "-"
-            lines.append(f"| {system} | {c} | {tok_s:.1f} | {vs_engine} | {vs_vllm} | "
+            lines.append(f"| {system} | {c} | {tok_s:.1f} | {vs_engine} | {vs_peer} | "
                          f"{level['ttft_median_ms']:.1f} / {level['ttft_p99_ms']:.1f} | {ttft_over} | "
                          f"{level['tpot_median_ms']:.1f} / {level['tpot_p99_ms']:.1f} |")
     return "\n".join(lines)
@@ -184,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 16, 32, 64])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--systems", nargs="+", default=["engine", "serve", "vllm"],
-                        choices=["engine", "worker", "serve", "plain", "vllm"],
+                        choices=["engine", "worker", "serve", "plain", "vllm", "llamacpp"],
                         help="plain: `serve run` of the config as typed by hand, without make serve's environment")
     parser.add_argument("--dtype", default="float32", help="every system's (vLLM's CPU build runs float32 here)")
     parser.add_argument("--edge", choices=sorted(EDGES), default=DEFAULT_EDGE, help="the Serve path's HTTP edge")
@@ -203,6 +237,8 @@ def main(argv: list[str] | None = None) -> None:
             bench_engine(args, model, "offline" if system == "engine" else "worker", config, reports[system])
         elif system in ("serve", "plain"):
             bench_serve(args, model, config, reports[system], plain=system == "plain")
+        elif system == "llamacpp":
+            bench_llamacpp(args, model, reports[system])
         else:
             bench_vllm(args, model, reports[system])
     table = summary({system: levels(path) for system, path in reports.items()})
