@@ -11,7 +11,9 @@ from tools.bench.compare import (
     EDGES,
     SERVE_ENV,
     SERVE_PORT,
+    llamacpp_command,
     serve_environment,
+    summary,
 )
 
 MAKEFILE = Path(__file__).resolve().parents[2] / "Makefile"
@@ -36,3 +38,17 @@ def test_make_serves_start_and_the_plain_one():
     env, port = serve_environment(DEFAULT_EDGE)
     assert env == makefile_serve_env() and port == SERVE_PORT
     assert serve_environment(DEFAULT_EDGE, plain=True) == ({}, SERVE_PORT)  # as typed by hand: Serve's proxy
+
+
+def test_llama_server_gets_a_slot_per_stream_and_the_files_own_template():
+    cmd = llamacpp_command("/bin/llama-server", Path("/m/model.gguf"), "m", slots=64, context_per_slot=512)
+    args = dict(zip(cmd[1::2], cmd[2::2]))
+    assert args["-m"] == "/m/model.gguf" and args["-np"] == "64" and args["-c"] == str(64 * 512)
+    assert args["--host"] == "127.0.0.1" and "--jinja" in cmd and "--no-repack" in cmd
+
+
+def test_the_table_compares_with_llama_cpp_when_vllm_did_not_run():
+    level = {"output_tok_s": 10.0, "ttft_median_ms": 1.0, "ttft_p99_ms": 2.0, "tpot_median_ms": 1.0,
+             "tpot_p99_ms": 1.0}
+    table = summary({"serve": {1: level}, "llamacpp": {1: {**level, "output_tok_s": 20.0}}})
+    assert "vs llama.cpp" in table and "| serve | 1 | 10.0 | - | 0.50x |" in table
