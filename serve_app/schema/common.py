@@ -17,7 +17,12 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 
 from serve_app.http.errors import APIError, field_rule
 from serve_app.schema.response_format import ResponseFormat, guided_decoding
+from serve_app.schema.structured_outputs import (
+    StructuredOutputFields,
+    structured_guided,
+)
 from workers.contract.chunks import GenerationChunk
+from workers.contract.sampling_params import GuidedDecoding
 
 
 class RequestModel(BaseModel):
@@ -132,7 +137,7 @@ def token_id(key: str) -> int | None:
 # ------------------------------------------------------------------------ sampling fields
 
 
-class SamplingFields(RequestModel):
+class SamplingFields(StructuredOutputFields, RequestModel):
     """The fields /v1/chat/completions and /v1/completions share, and the rules between
     them. A dialect adds its own fields and rules (`broken_rule`), which run in the same
     validation, after `stream_options`'s."""
@@ -250,9 +255,19 @@ def openai_sampling_kwargs(req: SamplingFields) -> dict:
         stop_token_ids=tuple(req.stop_token_ids or ()),
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens,
-        guided=guided_decoding(req.response_format),
+        guided=output_constraint(req),
         priority=req.priority,
     )
+
+
+def output_constraint(req: SamplingFields) -> GuidedDecoding | None:
+    """The answer's one constraint: `response_format`'s or a structured-output field's."""
+    structured = structured_guided(req)
+    formatted = guided_decoding(req.response_format)
+    if structured is not None and formatted is not None:
+        raise APIError(400, f"{structured.param} cannot be combined with a JSON response_format: one "
+                       "structured output a request", param=structured.param)
+    return structured or formatted
 
 
 def usage_of(chunk: GenerationChunk, reasoning_tokens: int | None = None) -> Usage:

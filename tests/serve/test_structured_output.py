@@ -1,11 +1,13 @@
-"""`response_format` (structured output): translation as unit tests, then through Serve on
-the tiny random model, whose output is JSON only because the grammar mask makes it so.
+"""Structured output, `response_format` and vLLM's `structured_outputs` / `guided_*` fields
+(serve_app/schema/structured_outputs.py): translation as unit tests, then through Serve
+on the tiny random model, whose output fits only because the grammar mask makes it so.
 
 The Serve tests start Ray: run this file under the shared lock (see README)."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import jsonschema
@@ -98,6 +100,57 @@ def test_beam_search_with_response_format_is_refused():
     assert info.value.param == "response_format"
 
 
+# ------------------------------------------------------------ vLLM's structured_outputs
+
+
+@pytest.mark.parametrize(("fields", "kind", "param"), [
+    ({"structured_outputs": {"json": PERSON}}, "json_schema", "structured_outputs.json"),
+    ({"structured_outputs": {"json": json.dumps(PERSON)}}, "json_schema", "structured_outputs.json"),
+    ({"structured_outputs": {"json_object": True}}, "json_schema", "structured_outputs.json_object"),
+    ({"structured_outputs": {"regex": "[a-z]{3}"}}, "regex", "structured_outputs.regex"),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, "lark", "structured_outputs.choice"),
+    ({"structured_outputs": {"grammar": 'start: "a" "b"*'}}, "lark", "structured_outputs.grammar"),
+    ({"guided_json": PERSON}, "json_schema", "guided_json"),
+    ({"guided_regex": "[0-9]+"}, "regex", "guided_regex"),
+    ({"guided_choice": ["a", "b"]}, "lark", "guided_choice"),
+    ({"guided_grammar": 'start: "x"'}, "lark", "guided_grammar"),
+])
+def test_each_structured_output_field_becomes_guided_decoding(fields, kind, param):
+    for guided in (chat_request(chat(**fields), "r").params.guided,
+                   completion_request(CompletionRequest.model_validate({"model": TINY_MODEL_ID, "prompt": "p",
+                                                                        **fields}), "r").params.guided):
+        assert (guided.kind, guided.param) == (kind, param)
+        if kind == "json_schema" and "json_object" not in param:
+            assert json.loads(guided.spec) == PERSON
+
+
+def test_a_choice_is_exactly_its_strings():
+    guided = chat_request(chat(guided_choice=['say "hi"', "a\\b | c"]), "r").params.guided
+    assert guided.spec == 'start: "say \\"hi\\"" | "a\\\\b | c"'
+
+
+@pytest.mark.parametrize(("fields", "param", "words"), [
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs.choice", "one structured output"),
+    ({"guided_regex": "a", "guided_json": {"type": "object"}}, "guided_regex", "one structured output"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", "cannot be combined"),
+    ({"guided_regex": "(open"}, "guided_regex", "cannot be enforced"),
+    ({"guided_grammar": "start: undefined_rule"}, "guided_grammar", "cannot be enforced"),
+    ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json", "not JSON"),
+])
+def test_broken_structured_outputs_are_400_naming_the_field(fields, param, words):
+    with pytest.raises(APIError) as info:
+        chat_request(chat(**fields), "r")
+    assert info.value.status == 400 and info.value.param == param and words in info.value.message
+
+
+def test_a_structured_output_with_forced_tool_calls_is_refused():
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(APIError) as info:
+        parse_request(ChatCompletionRequest, {"model": TINY_MODEL_ID, "messages": MESSAGES, "tools": [tool],
+                                              "tool_choice": "required", "guided_choice": ["a"]})
+    assert info.value.param == "guided_choice"
+
+
 # ------------------------------------------------------------------------ through Serve
 
 
@@ -184,3 +237,32 @@ def test_a_grammar_the_worker_cannot_compile_fails_that_request_only(tiny_app):
     assert chunks[-1].finish_reason == "stop"
     jsonschema.validate(json.loads("".join(c.text for c in chunks)), PERSON)
     assert worker_stats("tiny", TINY_MODEL_ID).engine_steps > steps_before
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("fields", "fits"), [
+    ({"guided_choice": ["alpha", "beta gamma", "delta"]}, lambda text: text in ("alpha", "beta gamma", "delta")),
+    ({"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}}, lambda text: re.fullmatch("[0-9]{3}-[a-z]{2}", text)),
+    ({"structured_outputs": {"json": PERSON}}, lambda text: jsonschema.validate(json.loads(text), PERSON) is None),
+    ({"guided_grammar": 'start: "(" ("ab" | "c")+ ")"'}, lambda text: re.fullmatch(r"\((ab|c)+\)", text)),
+])
+def test_each_structured_output_fits_its_constraint(tiny_app, fields, fits, stream):
+    """Two sampled choices a request, streamed and not: each a whole fit (its grammar ended it)."""
+    body = {"model": TINY_MODEL_ID, "messages": MESSAGES, "n": 2, "temperature": 1.0, "seed": 7,
+            "max_tokens": 96, "stream": stream, **fields}
+    texts, finishes = {}, {}
+    if stream:
+        with httpx.stream("POST", tiny_app + "/v1/chat/completions", json=body, timeout=120) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:])["choices"]:
+                        texts[choice["index"]] = texts.get(choice["index"], "") + (choice["delta"].get("content") or "")
+                        finishes[choice["index"]] = choice.get("finish_reason") or finishes.get(choice["index"])
+    else:
+        resp = httpx.post(tiny_app + "/v1/chat/completions", json=body, timeout=120)
+        assert resp.status_code == 200, resp.text
+        for choice in resp.json()["choices"]:
+            texts[choice["index"]], finishes[choice["index"]] = choice["message"]["content"], choice["finish_reason"]
+    assert finishes == {0: "stop", 1: "stop"}, (texts, finishes)
+    assert all(fits(text) for text in texts.values()), texts

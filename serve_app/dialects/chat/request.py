@@ -104,6 +104,8 @@ class ChatCompletionRequest(SamplingFields, ChatPrompt):
         if self.guided_tools and self.response_format is not None and self.response_format.type != "text":
             # One grammar a request: the calls' format or the answer's, not both.
             return field_error("response_format", "response_format cannot be combined with forced or strict tool calls")
+        if self.guided_tools and (asked := self.structured_output()) is not None:
+            return field_error(asked[0], f"{asked[0]} cannot be combined with forced or strict tool calls")
         return None
 
     def _choices_error(self) -> APIError | None:

@@ -1,0 +1,102 @@
+"""vLLM's structured-output request fields and the engine constraint each becomes, beside
+OpenAI's `response_format` (serve_app/schema/response_format.py):
+
+- `structured_outputs: {json | regex | choice | grammar | json_object}`: exactly one of
+  `json` (a JSON schema, as an object or its JSON text), `regex` (the whole output
+  matches it; llguidance's regex syntax, Rust's), `choice` (the output is one of these
+  strings), `grammar` (a Lark grammar in llguidance's dialect, `start` its top rule) or
+  `json_object: true` (any JSON object).
+- The older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` fields, one
+  of them, mean the same.
+
+One constraint a request: two of these, or one with a non-text `response_format`, is a 400
+naming the field. Each is checked with llguidance here (no tokenizer needed), so one the
+engine cannot enforce is a 400 naming its field before a worker sees it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from serve_app.http.errors import APIError
+from workers.contract.grammar import grammar_error
+from workers.contract.sampling_params import GuidedDecoding
+
+LEGACY_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+class StructuredOutputs(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # as every request model (vLLM's other knobs: ignored)
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def given(self) -> list[str]:
+        """The constraint fields set (json_object only when true)."""
+        values = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+                  "json_object": self.json_object or None}
+        return [name for name, value in values.items() if value is not None]
+
+
+class StructuredOutputFields(BaseModel):
+    """The request fields, mixed into the routes' shared sampling fields."""
+
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = None
+
+    def structured_output(self) -> tuple[str, str, Any] | None:
+        """(request field, kind, value) of the one constraint asked for, None for none; a
+        400 naming the field when there are two."""
+        asked = [(f"structured_outputs.{name}", name) for name in
+                 (self.structured_outputs.given() if self.structured_outputs is not None else [])]
+        asked += [(name, name.removeprefix("guided_")) for name in LEGACY_FIELDS if getattr(self, name) is not None]
+        if not asked:
+            return None
+        if len(asked) > 1:
+            fields = ", ".join(field for field, _ in asked)
+            raise APIError(400, f"one structured output a request; this one asks for {fields}", param=asked[1][0])
+        field, kind = asked[0]
+        source = self.structured_outputs if field.startswith("structured_outputs.") else self
+        attribute = {"json": "json_"}.get(kind, kind) if source is self.structured_outputs else field
+        return field, kind, getattr(source, attribute)
+
+
+def structured_guided(fields: StructuredOutputFields) -> GuidedDecoding | None:
+    """The engine constraint of the request's structured-output fields, checked."""
+    asked = fields.structured_output()
+    if asked is None:
+        return None
+    field, kind, value = asked
+    guided = GuidedDecoding(*_constraint(field, kind, value), param=field)
+    error = grammar_error(guided)
+    if error is not None:
+        raise APIError(400, f"{field}: this constraint cannot be enforced: {error}", param=field,
+                       code="invalid_grammar")
+    return guided
+
+
+def _constraint(field: str, kind: str, value: Any) -> tuple[str, str]:
+    """(GuidedDecoding kind, spec) of one field's value."""
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise APIError(400, f"{field}: not JSON: {exc}", param=field) from None
+        return "json_schema", json.dumps(value)
+    if kind == "json_object":
+        return "json_schema", json.dumps({"type": "object"})
+    if kind == "regex":
+        return "regex", value
+    if kind == "choice":
+        # A Lark alternation of string literals: JSON's escapes are Lark's, so any text is exact.
+        return "lark", "start: " + " | ".join(json.dumps(option) for option in value)
+    return "lark", value  # grammar
