@@ -4,8 +4,9 @@ The prompt is sent to the worker as text (`GenerateRequest.prompt`), which token
 it with the tokenizer's special tokens (BOS where the model has one) and no chat
 template. Sampling fields mean what they mean on /v1/chat/completions.
 
-- `prompt`: a string, or a list holding one string. Token-id prompts and lists of
-  several prompts get a 400 naming `prompt` (send one request per prompt).
+- `prompt`: a string, a list of token ids (fed to the model as they are: no BOS added),
+  or a list holding one of those. Lists of several prompts get a 400 naming `prompt`
+  (send one request per prompt); so does an id outside the vocabulary (the worker's check).
 - `max_tokens`: default 16, as OpenAI; `null` means the model's `default_max_tokens`.
 - `echo: true` puts the prompt in front of the text (in a stream: in front of the first
   text event).
@@ -36,7 +37,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -75,20 +76,24 @@ class TextPrompt(RequestModel):
     """What a completion request asks of which model."""
 
     model: str
-    prompt: str
+    prompt: str | list[Annotated[int, Field(ge=0)]]  # text, or token ids
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_text_prompt(cls, prompt: Any) -> Any:
+    def _one_prompt(cls, prompt: Any) -> Any:
+        if isinstance(prompt, list) and prompt and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+            return prompt  # one token-id prompt
         if isinstance(prompt, list):
-            if any(isinstance(p, (int, list)) for p in prompt):
-                raise ValueError("token-id prompts are not supported; send the prompt as a string")
             if len(prompt) != 1:
-                raise ValueError(f"one prompt per request: got a list of {len(prompt)}; send a string")
+                raise ValueError(f"one prompt per request: got a list of {len(prompt)}; send one prompt")
             prompt = prompt[0]
-        if isinstance(prompt, str) and not prompt:
+        if isinstance(prompt, (str, list)) and not prompt:
             raise ValueError("prompt must not be empty")
         return prompt
+
+    @property
+    def prompt_text(self) -> str | None:
+        return self.prompt if isinstance(self.prompt, str) else None
 
 
 # TextPrompt is the last base so its fields come first: a request with several bad fields
@@ -121,6 +126,8 @@ class CompletionRequest(SamplingFields, TextPrompt):
             param = "n" if self.n > 1 else "best_of"
             return field_error(param, f"{param} > 1 needs sampling: greedy decoding (temperature 0 or top_k 1) "
                                "gives identical choices")
+        if self.echo and self.prompt_text is None:
+            return field_error("echo", "echo needs a text prompt (this one is token ids)")
         if self.logprobs is not None and self.echo:
             return field_error("logprobs", "logprobs with echo (prompt logprobs) are not supported; drop one of them")
         return None
@@ -145,7 +152,9 @@ def to_generate_request(req: CompletionRequest, request_id: str, model: ModelCon
         best_of=req.best_of if req.use_beam_search else None,
         length_penalty=or_default(req.length_penalty, 1.0),
     )
-    return GenerateRequest(request_id=request_id, params=params, prompt=req.prompt, max_tokens=req.max_tokens)
+    token_ids = None if isinstance(req.prompt, str) else tuple(req.prompt)
+    return GenerateRequest(request_id=request_id, params=params, prompt=req.prompt_text, prompt_token_ids=token_ids,
+                           max_tokens=req.max_tokens)
 
 
 # ---------------------------------------------------------------------------- response
@@ -221,7 +230,7 @@ class CompletionAccumulator:
         self.created = int(time.time())
         self.n = req.n
         self.show_logprobs = req.logprobs is not None
-        self.choices = [_Choice(req.prompt if req.echo else "") for _ in range(req.num_samples)]
+        self.choices = [_Choice(req.prompt_text if req.echo else "") for _ in range(req.num_samples)]
         self.last = GenerationChunk()
 
     def add(self, chunk: GenerationChunk) -> None:
@@ -255,7 +264,7 @@ class CompletionStreamer:
         self.include_usage = bool(options and options.include_usage)
         self.continuous_usage = bool(options and options.continuous_usage_stats)
         self.show_logprobs = req.logprobs is not None
-        self.echo = [req.prompt if req.echo else ""] * req.n  # not yet sent, per choice
+        self.echo = [req.prompt_text if req.echo else ""] * req.n  # not yet sent, per choice
         self.offsets = [0] * req.n  # characters sent, per choice (legacy text_offset)
 
     async def events(self, first: GenerationChunk, rest: AsyncIterator[GenerationChunk]) -> AsyncIterator[str]:

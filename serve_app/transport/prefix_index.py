@@ -32,6 +32,8 @@ def prompt_text(request: GenerateRequest) -> str:
         parts += [json.dumps(request.chat_template_kwargs, sort_keys=True, ensure_ascii=False), _FIELD_END]
     if request.prompt is not None:
         return "".join(parts) + request.prompt
+    if request.prompt_token_ids is not None:  # ids as text: the same ids, the same key
+        return "".join(parts) + _FIELD_END + " ".join(map(str, request.prompt_token_ids))
     for message in request.messages or ():
         parts += [str(message.get("role", "")), _FIELD_END, _content_text(message.get("content"), request),
                   _FIELD_END]

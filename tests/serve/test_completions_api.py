@@ -248,7 +248,7 @@ def test_raw_sse(tiny_app):
         ({"prompt": PROMPT}, "model"),
         ({"model": TINY_MODEL_ID}, "prompt"),
         ({"model": TINY_MODEL_ID, "prompt": ""}, "prompt"),
-        ({"model": TINY_MODEL_ID, "prompt": [1, 2, 3]}, "prompt"),
+        ({"model": TINY_MODEL_ID, "prompt": [1, -2, 3]}, "prompt"),
         ({"model": TINY_MODEL_ID, "prompt": [[1, 2], [3]]}, "prompt"),
         ({"model": TINY_MODEL_ID, "prompt": ["a", "b"]}, "prompt"),
         ({"model": TINY_MODEL_ID, "prompt": PROMPT, "suffix": "x"}, "suffix"),
@@ -271,9 +271,28 @@ def test_invalid_requests(tiny_app, body, param):
     assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"]
 
 
-def test_token_id_prompt_message_is_clear(tiny_app):
-    message = post(tiny_app, {"model": TINY_MODEL_ID, "prompt": [1, 2, 3]}).json()["error"]["message"]
-    assert "token-id prompts are not supported" in message
+def test_a_token_id_prompt_answers_as_its_text_does(client, tiny_tokenizer):
+    """The worker feeds the ids as they are; the text's own tokenization gives the same answer."""
+    ids = tiny_tokenizer(PROMPT)["input_ids"]
+    want = client.completions.create(model=TINY_MODEL_ID, prompt=PROMPT, max_tokens=6, temperature=0)
+    for prompt in (ids, [ids]):
+        got = client.completions.create(model=TINY_MODEL_ID, prompt=prompt, max_tokens=6, temperature=0)
+        assert got.choices[0].text == want.choices[0].text
+        assert got.usage.prompt_tokens == want.usage.prompt_tokens == len(ids)
+
+
+@pytest.mark.parametrize(("prompt", "extra", "param", "words"), [
+    ([1, 2, 10**6], {}, "prompt", "outside this model's vocabulary"),
+    ([1, 2, 3], {"echo": True}, "echo", "echo needs a text prompt"),
+    ([[1, 2], [3, 4]], {}, "prompt", "one prompt per request"),
+    (["a", "b"], {}, "prompt", "one prompt per request"),
+    ([], {}, "prompt", "one prompt per request"),
+])
+def test_token_id_prompts_that_cannot_run_are_400(tiny_app, prompt, extra, param, words):
+    resp = post(tiny_app, {"model": TINY_MODEL_ID, "prompt": prompt, **extra})
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == param and words in err["message"], err
 
 
 def test_unknown_model_is_404(client):

@@ -39,7 +39,7 @@ class ToolPrompt:
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    """Exactly one of `messages` (chat) or `prompt` (plain completion).
+    """Exactly one of `messages` (chat), `prompt` or `prompt_token_ids` (plain completion).
 
     An image sits in its message as `{"type": "image", "image_index": k}`; its bytes are
     `images[k]`.
@@ -49,6 +49,7 @@ class GenerateRequest:
     params: SamplingParams
     messages: list[dict[str, Any]] | None = None
     prompt: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = None  # a completion prompt already tokenized, fed as is
     max_tokens: int | None = None  # None: the model's default_max_tokens, within the context window
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     images: tuple[ImageData, ...] = ()

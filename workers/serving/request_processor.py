@@ -175,6 +175,8 @@ def _prompt_size(request: GenerateRequest) -> int:
     """Characters of text in the request (roughly; enough to tell short from long)."""
     if request.prompt is not None:
         return len(request.prompt)
+    if request.prompt_token_ids is not None:
+        return 4 * len(request.prompt_token_ids)  # about 4 characters a token
     return sum(len(m.get("content") or "") if isinstance(m.get("content"), str) else 256
                for m in request.messages or ())
 
@@ -185,7 +187,7 @@ def _refusal(request: GenerateRequest, exc: WorkerError) -> GenerationChunk:
     not set is not its fault (the prompt's length is)."""
     param = exc.param
     if param == "prompt" or (param == "max_tokens" and request.max_tokens is None):
-        param = "prompt" if request.prompt is not None else "messages"
+        param = "messages" if request.messages is not None else "prompt"
     return GenerationChunk(error=exc.info(param))
 
 

@@ -41,6 +41,8 @@ class PromptBuilder:
         self.template_renders_tools = "tools" in str(template or "")
 
     def build(self, request: GenerateRequest) -> Prompt:
+        if request.prompt_token_ids is not None:
+            return Prompt(self._checked_ids(request.prompt_token_ids), None)
         if request.prompt is not None:
             text = None
             ids = self.tokenizer(request.prompt, add_special_tokens=True)["input_ids"]
@@ -51,6 +53,16 @@ class PromptBuilder:
         if not ids:
             raise PromptError("the prompt is empty after tokenization", "prompt" if request.prompt is not None else "messages")
         return Prompt(list(ids), text)
+
+    def _checked_ids(self, ids: tuple[int, ...]) -> list[int]:
+        """A token-id prompt, fed as is: every id must be one of the tokenizer's."""
+        vocab = len(self.tokenizer)
+        bad = next((i for i in ids if not 0 <= i < vocab), None)
+        if bad is not None:
+            raise PromptError(f"token id {bad} is outside this model's vocabulary (0..{vocab - 1})", "prompt")
+        if not ids:
+            raise PromptError("the prompt is empty", "prompt")
+        return list(ids)
 
     def chat_text(self, request: GenerateRequest | TokenizeRequest, add_generation_prompt: bool = True,
                   continue_final_message: bool = False) -> str:

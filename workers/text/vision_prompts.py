@@ -51,7 +51,7 @@ class VisionPromptBuilder:
         self.text = PromptBuilder(self.tokenizer)  # plain prompts (/v1/completions)
 
     def build(self, request: GenerateRequest) -> Prompt:
-        if request.prompt is not None:
+        if request.prompt is not None or request.prompt_token_ids is not None:
             return self.text.build(request)
         if not self.template:
             raise PromptError("this model has no chat template; use /v1/completions", "messages")

@@ -134,3 +134,13 @@ def test_options_are_the_config_fields():
 
     assert {f.name for f in dataclasses.fields(PrefixRoutingOptions)} == set(RoutingConfig.model_fields)
     assert PrefixRoutingOptions(**RoutingConfig().model_dump()) == PrefixRoutingOptions()
+
+
+def test_a_token_id_prompt_keys_by_its_ids():
+    def ids(*token_ids):
+        return GenerateRequest(request_id="r", params=SamplingParams(), prompt_token_ids=token_ids)
+
+    assert prompt_text(ids(1, 2, 3)) == prompt_text(ids(1, 2, 3))
+    assert prompt_text(ids(1, 2, 3)).startswith(prompt_text(ids(1, 2)))  # a shared prefix stays a prefix
+    assert prompt_text(ids(12, 3)) != prompt_text(ids(1, 23))
+    assert prompt_text(ids(1, 2)) != prompt_text(GenerateRequest(request_id="r", params=SamplingParams(), prompt="1 2"))
