@@ -36,11 +36,11 @@ class StructuredOutputs(BaseModel):
     grammar: str | None = None
     json_object: bool | None = None
 
-    def given(self) -> list[str]:
-        """The constraint fields set (json_object only when true)."""
+    def given(self) -> dict[str, Any]:
+        """The constraint fields set, by name (json_object only when true)."""
         values = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
                   "json_object": self.json_object or None}
-        return [name for name, value in values.items() if value is not None]
+        return {name: value for name, value in values.items() if value is not None}
 
 
 class StructuredOutputFields(BaseModel):
@@ -55,18 +55,14 @@ class StructuredOutputFields(BaseModel):
     def structured_output(self) -> tuple[str, str, Any] | None:
         """(request field, kind, value) of the one constraint asked for, None for none; a
         400 naming the field when there are two."""
-        asked = [(f"structured_outputs.{name}", name) for name in
-                 (self.structured_outputs.given() if self.structured_outputs is not None else [])]
-        asked += [(name, name.removeprefix("guided_")) for name in LEGACY_FIELDS if getattr(self, name) is not None]
-        if not asked:
-            return None
+        given = self.structured_outputs.given() if self.structured_outputs is not None else {}
+        asked = [(f"structured_outputs.{kind}", kind, value) for kind, value in given.items()]
+        asked += [(name, name.removeprefix("guided_"), getattr(self, name)) for name in LEGACY_FIELDS
+                  if getattr(self, name) is not None]
         if len(asked) > 1:
-            fields = ", ".join(field for field, _ in asked)
+            fields = ", ".join(field for field, _, _ in asked)
             raise APIError(400, f"one structured output a request; this one asks for {fields}", param=asked[1][0])
-        field, kind = asked[0]
-        source = self.structured_outputs if field.startswith("structured_outputs.") else self
-        attribute = {"json": "json_"}.get(kind, kind) if source is self.structured_outputs else field
-        return field, kind, getattr(source, attribute)
+        return asked[0] if asked else None
 
 
 def structured_guided(fields: StructuredOutputFields) -> GuidedDecoding | None:

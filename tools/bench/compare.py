@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -121,25 +122,45 @@ def serve_environment(edge: str, plain: bool = False) -> tuple[dict[str, str], i
     return {**SERVE_ENV, **edge_env}, port
 
 
+def console_script(name: str) -> str:
+    """A console script beside this interpreter, else on PATH (on a lent GPU machine the
+    carried wheels install Ray's under a folder of their own: tools/gpu_session/)."""
+    beside = Path(sys.executable).parent / name
+    return str(beside) if beside.exists() else (shutil.which(name) or name)
+
+
+@contextmanager
+def server_running(cmd: list[str], port: int, log_path: Path, env: dict[str, str] | None = None,
+                   ready_timeout_s: float = 600) -> Iterator[str]:
+    """A server started with `cmd` (loopback, its output in `log_path`); yields its URL once
+    it serves, and stops it with everything it started."""
+    print("$", " ".join(cmd), flush=True)
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, ready_timeout_s, process)
+        yield url
+    finally:
+        stop_session(process)
+
+
 @contextmanager
 def serve_running(config: Path, edge: str, extra_env: dict[str, str], log_path: Path,
-                  plain: bool = False) -> Iterator[str]:
+                  plain: bool = False, ready_timeout_s: float = 600) -> Iterator[str]:
     """`serve run config` started as `make serve` starts it (SERVE_ENV, the edge's environment)
     plus `extra_env`, or `plain`: as a user types it, with no environment of chatserve's
     (Serve's proxy is the edge); yields its URL once it serves, and stops everything it started."""
     chosen, port = serve_environment(edge, plain)
-    env = {**os.environ, **chosen, **extra_env, "PYTHONPATH": str(REPO)}
-    with open(log_path, "w") as log:
-        process = subprocess.Popen([str(Path(sys.executable).parent / "serve"), "run", str(config)], cwd=REPO,
-                                   env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, **chosen, **extra_env, "PYTHONPATH": python_path}
     try:
-        url = f"http://127.0.0.1:{port}"
-        wait_ready(url, 600, process)
-        yield url
+        with server_running([console_script("serve"), "run", str(config)], port, log_path, env,
+                            ready_timeout_s) as url:
+            yield url
     finally:
-        stop_session(process)
-        subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], check=False,
-                       capture_output=True)
+        subprocess.run([console_script("ray"), "stop", "--force"], check=False, capture_output=True)
 
 
 def bench_serve(args, model: Model, config: Path, report: Path, plain: bool = False) -> None:
@@ -148,20 +169,19 @@ def bench_serve(args, model: Model, config: Path, report: Path, plain: bool = Fa
         load(args, url, model.name, report)
 
 
+def setup_script(name: str) -> str:
+    """Run a peer's idempotent install script (tools/bench/) and return the path it prints last."""
+    out = subprocess.run([str(REPO / "tools" / "bench" / name)], check=True, capture_output=True, text=True).stdout
+    return out.strip().splitlines()[-1]
+
+
 def bench_vllm(args, model: Model, report: Path) -> None:
-    venv = subprocess.run([str(REPO / "tools" / "bench" / "vllm_cpu_env.sh")], check=True, capture_output=True,
-                          text=True).stdout.strip().splitlines()[-1]
+    venv = setup_script("vllm_cpu_env.sh")
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"}
     cmd = [str(REPO / venv / "bin" / "vllm"), "serve", str(model.directory), "--served-model-name", model.name,
            "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(VLLM_PORT)]
-    log = open(args.out / "vllm.log", "w")
-    print("$", " ".join(cmd), flush=True)
-    process = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_ready(f"http://127.0.0.1:{VLLM_PORT}", 600, process)
-        load(args, f"http://127.0.0.1:{VLLM_PORT}", model.name, report)
-    finally:
-        stop_session(process)
+    with server_running(cmd, VLLM_PORT, args.out / "vllm.log", env) as url:
+        load(args, url, model.name, report)
 
 
 def llamacpp_command(binary: str, gguf: Path, model_name: str, slots: int, context_per_slot: int) -> list[str]:
@@ -177,17 +197,10 @@ def bench_llamacpp(args, model: Model, report: Path) -> None:
     gguf = resolve_gguf(model.source)
     if gguf is None:
         raise SystemExit(f"llama.cpp serves GGUF files: {model.name} has none (use --model default)")
-    binary = subprocess.run([str(REPO / "tools" / "bench" / "llamacpp_server.sh")], check=True, capture_output=True,
-                            text=True).stdout.strip().splitlines()[-1]
+    binary = setup_script("llamacpp_server.sh")
     cmd = llamacpp_command(binary, gguf, model.name, max(args.levels), context_per_slot=512)
-    log = open(args.out / "llamacpp.log", "w")
-    print("$", " ".join(cmd), flush=True)
-    process = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_ready(f"http://127.0.0.1:{LLAMACPP_PORT}", 300, process)
-        load(args, f"http://127.0.0.1:{LLAMACPP_PORT}", model.name, report)
-    finally:
-        stop_session(process)
+    with server_running(cmd, LLAMACPP_PORT, args.out / "llamacpp.log", ready_timeout_s=300) as url:
+        load(args, url, model.name, report)
 
 
 def levels(path: Path) -> dict[int, dict]:

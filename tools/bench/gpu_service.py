@@ -21,9 +21,6 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
-import subprocess
-import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -210,56 +207,45 @@ def serve_cpu_s(before: dict[int, tuple[str, int]], after: dict[int, tuple[str, 
     return worker / TICKS_PER_S, other / TICKS_PER_S
 
 
-def _tool(name: str) -> str:
-    """A console script beside this interpreter, else on PATH (the GPU machine's wheels
-    install Ray's `serve` under their own bin folder)."""
-    beside = Path(sys.executable).parent / name
-    return str(beside) if beside.exists() else (shutil.which(name) or name)
-
-
 def run_serve(args) -> None:
     from transformers import AutoTokenizer
 
-    from tools.bench.compare import serve_environment
-    from tools.bench.load import run_level
-    from tools.servers import stop_session, wait_ready
+    from tools.bench.compare import serve_running
 
     out = Path(args.json).parent if args.json else Path(".")
     config_path = out / "serve-gpu.yaml"
     config_path.write_text(yaml.safe_dump(serve_config(args.model, args.device, not args.no_direct), sort_keys=False))
-    env_vars, port = serve_environment("haproxy")
-    env = {**os.environ, **env_vars, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    url = f"http://127.0.0.1:{port}"
     prompt = bench_prompt(AutoTokenizer.from_pretrained(args.model), args.prompt_tokens)
-    result: dict = {"url": url, "max_tokens": args.max_tokens, "levels": []}
+    result: dict = {"max_tokens": args.max_tokens, "levels": []}
     started = time.perf_counter()
-    with open(out / "serve.log", "w") as log:
-        process = subprocess.Popen([_tool("serve"), "run", str(config_path)], cwd=REPO, env=env, stdout=log,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_ready(url, args.ready_timeout, process)
-        result["ready_s"] = time.perf_counter() - started
-        print(f"serve ready in {result['ready_s']:.1f} s", flush=True)
-        checks = client_checks(url)
-        result["checks"] = [asdict(c) for c in checks]
-        for check in checks:
-            print(f"check {check.name}: {'ok' if check.ok else 'FAILED'}: {check.detail}", flush=True)
-        for concurrency in args.levels:
-            before = _cpu_ticks_by_process()
-            report = asyncio.run(run_level(url, MODEL_ID, concurrency, requests(args, concurrency), args.max_tokens,
-                                           prompt, True, {}))
-            worker_s, other_s = serve_cpu_s(before, _cpu_ticks_by_process())
-            tokens = report.output_tok_s * report.wall_s
-            level = {**asdict(report), "worker_cpu_s": worker_s, "outside_cpu_s": other_s,
-                     "outside_cpu_us_per_token": 1e6 * other_s / tokens if tokens else float("nan")}
-            result["levels"].append(level)
-            print(report.line(), f" CPU outside the worker {level['outside_cpu_us_per_token']:.0f} us/token",
-                  flush=True)
+        with serve_running(config_path, "haproxy", {}, out / "serve.log", ready_timeout_s=args.ready_timeout) as url:
+            result.update(url=url, ready_s=time.perf_counter() - started)
+            print(f"serve ready in {result['ready_s']:.1f} s", flush=True)
+            checks = client_checks(url)
+            result["checks"] = [asdict(c) for c in checks]
+            for check in checks:
+                print(f"check {check.name}: {'ok' if check.ok else 'FAILED'}: {check.detail}", flush=True)
+            for concurrency in args.levels:
+                result["levels"].append(_serve_level(url, prompt, concurrency, args))
     finally:
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=2))
-        stop_session(process)
-        subprocess.run([_tool("ray"), "stop", "--force"], check=False, capture_output=True)
+
+
+def _serve_level(url: str, prompt: str, concurrency: int, args) -> dict:
+    """One level of the load, with the CPU the processes other than the worker used meanwhile."""
+    from tools.bench.load import run_level
+
+    before = _cpu_ticks_by_process()
+    report = asyncio.run(run_level(url, MODEL_ID, concurrency, requests(args, concurrency), args.max_tokens,
+                                   prompt, True, {}))
+    worker_s, other_s = serve_cpu_s(before, _cpu_ticks_by_process())
+    tokens = report.output_tok_s * report.wall_s
+    level = {**asdict(report), "worker_cpu_s": worker_s, "outside_cpu_s": other_s,
+             "outside_cpu_us_per_token": 1e6 * other_s / tokens if tokens else float("nan")}
+    print(report.line(), f" CPU outside the worker {level['outside_cpu_us_per_token']:.0f} us/token", flush=True)
+    return level
 
 
 def table(engine_path: Path, serve_path: Path) -> str:

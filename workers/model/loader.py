@@ -12,7 +12,6 @@ two replicas on one machine from converting at the same time.
 
 from __future__ import annotations
 
-import fcntl
 import importlib.util
 import logging
 import os
@@ -32,6 +31,7 @@ from workers.contract.model_config import BUILTIN_DEFAULT_MODEL
 from workers.model.cpu_linear import has_native_bf16_matmul, pack_linear_layers
 from workers.model.fused_projections import fuse_sibling_projections
 from workers.model.hub_source import HubId, resolve_hub_model
+from workers.model.model_cache import converted_once
 from workers.model.quantized_checkpoint import (
     dequantized_model_dir,
     quantization_method,
@@ -100,16 +100,10 @@ def prepare_model_dir(source: str, cache_dir: Path | None = None) -> Path:
         raise FileNotFoundError(f"GGUF file not found: {gguf}")
     stat = gguf.stat()
     target = (cache_dir or default_cache_dir()) / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(str(target) + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (target / "config.json").is_file():
-            _convert_gguf(gguf, target)
-    return target
+    return converted_once(target, lambda directory: _convert_gguf(gguf, directory), str(gguf))
 
 
 def _convert_gguf(gguf: Path, target: Path) -> None:
-    logger.info("converting %s to %s (first start only)", gguf, target)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # Dequantized weights are plain tensors; drop the GGUF marker so they save as safetensors.
@@ -117,10 +111,8 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
         del model.config.quantization_config
     model.hf_quantizer = None
     model.is_quantized = False
-    tmp = target.with_name(target.name + ".tmp")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(target)
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
 
 
 def load_model(

@@ -24,9 +24,7 @@ The packed layouts (4-bit only for GPTQ and AWQ):
 
 from __future__ import annotations
 
-import fcntl
 import json
-import logging
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -36,7 +34,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-logger = logging.getLogger(__name__)
+from workers.model.model_cache import converted_once
 
 SUPPORTED_METHODS = ("gptq", "awq", "fp8")
 GPTQ_FORMATS = ("gptq", "gptq_v2")
@@ -278,8 +276,8 @@ def _write_shards(tensors: Iterator[tuple[str, torch.Tensor]], target: Path, max
 def dequantize_checkpoint(model_dir: Path, target: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
     """Write the float twin of the quantized checkpoint in `model_dir` at `target`: weights
     read tensor by tensor (memory-mapped, one output shard held at a time), config.json
-    without `quantization_config`, the other non-weight files copied. Written into
-    `target`.tmp and renamed, so an interrupted conversion never looks finished."""
+    without `quantization_config`, the other non-weight files copied (model_cache.py
+    writes it into a temporary directory and renames it)."""
     method = quantization_method(model_dir)
     if method is None:
         raise ValueError(f"model source {str(model_dir)!r} is not quantized (no quantization_config)")
@@ -288,39 +286,30 @@ def dequantize_checkpoint(model_dir: Path, target: Path, max_shard_bytes: int = 
     files = weight_files(model_dir)
     if not files:
         raise FileNotFoundError(f"model source {str(model_dir)!r} ({method}): no safetensors weights")
-    tmp = target.with_name(target.name + ".tmp")
-    if tmp.exists():  # left by an interrupted conversion; the caller holds the lock
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    target.mkdir(parents=True)
     with ExitStack() as stack:
         keys: dict[str, Callable[[], torch.Tensor]] = {}
         for file in files:
             handle = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
             for key in handle.keys():
                 keys[key] = lambda handle=handle, key=key: handle.get_tensor(key)
-        _write_shards(_dequantized_tensors(method, settings, keys, target_dtype(config)), tmp, max_shard_bytes)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        _write_shards(_dequantized_tensors(method, settings, keys, target_dtype(config)), target, max_shard_bytes)
+    (target / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     for file in sorted(model_dir.iterdir()):
         skip = file.name in ("config.json", INDEX_NAME, *QUANTIZATION_SIDE_FILES) or file.name.endswith(WEIGHT_SUFFIXES)
         if file.is_file() and not skip:
-            shutil.copy2(file, tmp / file.name)
-    tmp.rename(target)
+            shutil.copy2(file, target / file.name)
 
 
 def dequantized_model_dir(model_dir: Path, method: str, cache_dir: Path) -> Path:
     """The float copy of the quantized `model_dir` under `cache_dir`, converted on the first
     call only; keyed by the weights' total size and newest mtime, so a changed checkpoint
-    converts anew. A file lock makes concurrent callers wait for one conversion."""
+    converts anew (workers/model/model_cache.py: one conversion, under a file lock)."""
     files = weight_files(model_dir)
     if not files:
         raise FileNotFoundError(f"model source {str(model_dir)!r} ({method}): no safetensors weights")
     stats = [file.stat() for file in files]
     identity = f"{sum(s.st_size for s in stats)}-{int(max(s.st_mtime for s in stats))}"
     target = cache_dir / f"{model_dir.name}-{method}-{identity}"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(str(target) + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (target / "config.json").is_file():
-            logger.info("dequantizing the %s checkpoint %s into %s (first start only)", method, model_dir, target)
-            dequantize_checkpoint(model_dir, target)
-    return target
+    return converted_once(target, lambda directory: dequantize_checkpoint(model_dir, directory),
+                          f"the {method} checkpoint {model_dir}")
