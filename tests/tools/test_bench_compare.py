@@ -52,3 +52,16 @@ def test_the_table_compares_with_llama_cpp_when_vllm_did_not_run():
              "tpot_p99_ms": 1.0}
     table = summary({"serve": {1: level}, "llamacpp": {1: {**level, "output_tok_s": 20.0}}})
     assert "vs llama.cpp" in table and "| serve | 1 | 10.0 | - | 0.50x |" in table
+
+
+def test_the_serve_config_carries_the_chosen_quantization(tmp_path):
+    import yaml
+
+    from tools.bench.compare import resolve_model, serve_config
+    from workers.contract.model_config import ModelConfig
+
+    model = resolve_model("default", tmp_path)
+    for quantization in ("auto", "none"):
+        config = yaml.safe_load(serve_config(model, "float32", tmp_path, quantization).read_text())
+        spec = config["applications"][0]["args"]["models"][0]
+        assert ModelConfig(**spec).quantization == quantization and spec["dtype"] == "float32"

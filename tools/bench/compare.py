@@ -85,12 +85,12 @@ def resolve_model(name: str, out: Path) -> Model:
     raise SystemExit(f"unknown model {name!r} (default, near-free)")
 
 
-def serve_config(model: Model, dtype: str, out: Path) -> Path:
-    """configs/default.yaml with the model and dtype swapped in, bound to loopback."""
+def serve_config(model: Model, dtype: str, out: Path, quantization: str = "auto") -> Path:
+    """configs/default.yaml with the model, dtype and quantization swapped in, bound to loopback."""
     config = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())
     config["http_options"]["host"] = "127.0.0.1"
     spec = config["applications"][0]["args"]["models"][0]
-    spec.update(id=model.name, source=model.source, dtype=dtype)
+    spec.update(id=model.name, source=model.source, dtype=dtype, quantization=quantization)
     spec["engine"]["max_num_seqs"] = model.max_num_seqs
     path = out / f"serve-{model.name}.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -108,7 +108,8 @@ def load(args, url: str, model_name: str, report: Path) -> None:
 
 
 def bench_engine(args, model: Model, mode: str, config: Path, report: Path) -> None:
-    run([sys.executable, "-m", "tools.bench.engine", "--source", model.source, "--dtype", args.dtype, mode,
+    run([sys.executable, "-m", "tools.bench.engine", "--source", model.source, "--dtype", args.dtype,
+         "--quantization", args.quantization, mode,
          "--config", str(config), "--concurrency", *map(str, args.levels), "--max-tokens", str(args.max_tokens),
          "--json", str(report)])
 
@@ -234,6 +235,8 @@ def main(argv: list[str] | None = None) -> None:
                         choices=["engine", "worker", "serve", "plain", "vllm", "llamacpp"],
                         help="plain: `serve run` of the config as typed by hand, without make serve's environment")
     parser.add_argument("--dtype", default="float32", help="every system's (vLLM's CPU build runs float32 here)")
+    parser.add_argument("--quantization", choices=("auto", "none"), default="auto",
+                        help="chatserve's (engine and Serve): auto keeps a GGUF file's blocks, none its float copy")
     parser.add_argument("--edge", choices=sorted(EDGES), default=DEFAULT_EDGE, help="the Serve path's HTTP edge")
     parser.add_argument("--serve-env", nargs="*", default=[], metavar="KEY=VALUE",
                         help="more environment for `serve run` (and so for Ray and the replicas)")
@@ -242,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     model = resolve_model(args.model, args.out)
-    config = serve_config(model, args.dtype, args.out)
+    config = serve_config(model, args.dtype, args.out, args.quantization)
     reports = {system: args.out / f"{args.model}-{system}{args.label}.json" for system in args.systems}
     for system in args.systems:
         print(f"== {system}: {model.name}, c={args.levels}, {args.max_tokens} tokens", flush=True)

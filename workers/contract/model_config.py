@@ -261,8 +261,8 @@ class ModelConfig(_Strict):
         description="a transformers model directory, a .gguf file, a Hugging Face Hub id (org/name or "
         "org/name@revision: safetensors and configs fetched into huggingface_hub's cache, HF_HUB_CACHE or "
         "HF_HOME; read from the cache alone with HF_HUB_OFFLINE=1), or " + BUILTIN_DEFAULT_MODEL + ". A GGUF "
-        "file and a GPTQ, AWQ (4-bit) or FP8 checkpoint are dequantized once into a float copy in the model cache "
-        "(the weights are not kept packed)",
+        "file is converted once into a float copy in the model cache (see quantization for its blocks); a GPTQ, AWQ "
+        "(4-bit) or FP8 checkpoint is dequantized once into a float copy (not kept packed)",
     )
     device: Literal["cpu", "cuda"] = Field(
         "cpu", description="where the model runs; cuda needs deployment.ray_actor_options.num_gpus > 0")
@@ -271,6 +271,15 @@ class ModelConfig(_Strict):
     pack_cpu_weights: bool = Field(
         True, description="CPU: pack linear weights for oneDNN once at load; bfloat16 always (same numbers, "
         "faster), float32 where a load-time probe finds it faster on this CPU")
+    quantization: Literal["auto", "none"] = Field(
+        "auto", description="auto: on a CPU, a GGUF file's Q4_0, Q4_1 and Q8_0 weights stay in their 4/8-bit blocks "
+        "and multiply through chatserve's C kernels (built once with the host's gcc; the default model's weights take "
+        "97 MB instead of 540); other formats and devices load as floats. none: the float copy (faster at 32+ "
+        "concurrent sequences on a 2-core AVX2 CPU, docs/BENCHMARKS.md)")
+    quantized_matvec: Literal["int8", "float32"] = Field(
+        "int8", description="quantization auto, a step of one sequence: int8 rounds the activations to 8 bits a "
+        "block as llama.cpp does (the kernel is ~1.9x faster; greedy text can part from the float copy's after a "
+        "few dozen tokens); float32 multiplies exactly the dequantized weights")
     fuse_projections: bool = Field(
         True, description="run each layer's q/k/v projections, and its gate/up projections, as one matrix "
         "multiply each (fewer, wider weight passes)")

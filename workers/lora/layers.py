@@ -126,8 +126,8 @@ class LoraContext:
 
 
 class LoraLinear(nn.Module):
-    """Stands where a target linear stood (an `nn.Linear`, a CPU `PackedLinear`, or a
-    `FusedProjection`'s stacked linear); reads as a linear of the same shape."""
+    """Stands where a target linear stood (an `nn.Linear`, a CPU `PackedLinear` or
+    `QuantizedLinear`, or a `FusedProjection`'s stacked linear); reads as a linear of the same shape."""
 
     def __init__(self, base: nn.Module, bounds: list[tuple[int, int]], num_slots: int, rank: int,
                  context: LoraContext, dtype: torch.dtype, device: torch.device) -> None:

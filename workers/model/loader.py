@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +30,8 @@ from workers.contract.model_config import BUILTIN_DEFAULT_MODEL
 from workers.model.cpu_linear import has_native_bf16_matmul, pack_linear_layers
 from workers.model.fused_projections import fuse_sibling_projections
 from workers.model.hub_source import HubId, resolve_hub_model
-from workers.model.model_cache import converted_once
+from workers.model.model_cache import converted_once, default_cache_dir
+from workers.model.quant.gguf_packing import keep_gguf_weights_packed
 from workers.model.quantized_checkpoint import (
     dequantized_model_dir,
     quantization_method,
@@ -60,10 +60,6 @@ class LoadedModel:
             config = self.model.config
             token_id = getattr(config, "image_token_id", None) or getattr(config, "image_token_index", None)
         return token_id
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("CHATSERVE_CACHE", Path.home() / ".cache" / "chatserve"))
 
 
 def builtin_gguf_path(name: str) -> Path:
@@ -123,8 +119,12 @@ def load_model(
     attn_implementation: str | None = None,
     pack_cpu_weights: bool = True,
     fuse_projections: bool = True,
+    quantization: str = "auto",
+    quantized_matvec: str = "int8",
 ) -> LoadedModel:
-    """`fuse_projections`: each layer's q/k/v and gate/up projections run as one matrix
+    """`quantization`: `auto` keeps a GGUF file's Q4_0/Q4_1/Q8_0 weights in their blocks on
+    a CPU (workers/model/quant/), whose one-row products round the activations to 8 bits
+    when `quantized_matvec` is `int8`; `none` runs its float conversion. `fuse_projections`: each layer's q/k/v and gate/up projections run as one matrix
     multiply each (workers/model/fused_projections.py). `pack_cpu_weights`: a CPU model's linear
     weights are packed for oneDNN once (workers/model/cpu_linear.py): always in bfloat16 (the same
     numbers, faster), in float32 where a short probe finds oneDNN faster than torch's own
@@ -145,6 +145,10 @@ def load_model(
         fused = fuse_sibling_projections(loaded.model)
         if fused:
             logger.info("fused %d groups of sibling projections", fused)
+    gguf = resolve_gguf(source)
+    if quantization == "auto" and gguf is not None and device == "cpu":
+        kept = keep_gguf_weights_packed(loaded.model, gguf, int8_single_row=quantized_matvec == "int8")
+        logger.info("kept quantized from %s: %s", gguf.name, dict(kept) or "no layer (float path)")
     if pack_cpu_weights:
         packed = pack_linear_layers(loaded.model)
         if packed:

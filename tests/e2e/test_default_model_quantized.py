@@ -1,0 +1,63 @@
+"""The default model from its Q4_1 GGUF with the blocks kept (quantization: auto): its
+weights' memory, and its greedy text against the float copy's on the e2e tests' prompts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers.contract.model_config import BUILTIN_DEFAULT_MODEL
+from workers.model.loader import load_model
+from workers.model.quant.native_kernels import kernels
+from workers.model.quant.quantized_layers import QuantizedEmbedding, QuantizedLinear
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(kernels() is None, reason="no C compiler for the kernels")]
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are a helpful customer support assistant. Use the supplied tools to assist "
+                                   "the user."},
+     {"role": "user", "content": "Hi, can you tell me the delivery date for my order? my order id is 12345."}],
+]
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's tensors on a real device, each storage once."""
+    storages = {}
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if not tensor.is_meta:
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {name: load_model(BUILTIN_DEFAULT_MODEL, dtype="float32", quantization=quantization,
+                             quantized_matvec=matvec)
+            for name, quantization, matvec in (("float", "none", "int8"), ("exact", "auto", "float32"),
+                                               ("int8", "auto", "int8"))}
+
+
+def _greedy(loaded, chat, n: int) -> list[int]:
+    ids = loaded.tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt",
+                                               return_dict=True)["input_ids"]
+    with torch.inference_mode():
+        out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def test_weights_stay_in_their_blocks_under_120_mb(models):
+    model = models["exact"].model
+    assert isinstance(model.model.embed_tokens, QuantizedEmbedding) and isinstance(model.lm_head, QuantizedLinear)
+    assert weight_bytes(model) <= 120 * 1024**2
+    assert weight_bytes(models["float"].model) > 4 * weight_bytes(model)  # ~540 MB of float32 before
+
+
+@pytest.mark.parametrize("chat", CHATS, ids=["capital", "support"])
+def test_greedy_text_matches_the_float_copy(models, chat):
+    want = _greedy(models["float"], chat, 24)
+    assert _greedy(models["exact"], chat, 24) == want
+    rounded = _greedy(models["int8"], chat, 24)  # 8-bit activations on one-row steps
+    assert rounded[:8] == want[:8]
+    if chat is CHATS[0]:
+        assert "Paris" in models["int8"].tokenizer.decode(rounded)

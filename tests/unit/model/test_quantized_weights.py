@@ -1,0 +1,184 @@
+"""GGUF blocks kept quantized (workers/model/quant/): the C kernels against gguf's own
+dequantization, the layers' three product paths, and whole tiny models swapped into their
+blocks giving their float twin's greedy tokens through the engine."""
+
+from __future__ import annotations
+
+import copy
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from tests.support.engines import make_engine, run_to_completion
+from tests.support.tiny_gguf import twin_pair
+from workers.contract.sampling_params import SamplingParams
+from workers.model.quant import quantized_layers
+from workers.model.quant.gguf_packing import keep_gguf_weights_packed
+from workers.model.quant.native_kernels import kernels
+from workers.model.quant.packed_weights import PackedWeight, read_gguf_weights
+from workers.model.quant.quantized_layers import QuantizedEmbedding, QuantizedLinear
+
+Q = gguf.GGMLQuantizationType
+FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+
+pytestmark = pytest.mark.skipif(kernels() is None, reason="no C compiler to build the quantized kernels")
+
+
+def _packed(fmt, rows: int, cols: int, seed: int = 0) -> tuple[PackedWeight, torch.Tensor]:
+    """Random weights in `fmt` and their dequantized float32 values (gguf's reference)."""
+    weight = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    blocks = gguf.quants.quantize(weight, fmt)
+    reference = gguf.quants.dequantize(blocks, fmt).reshape(rows, cols)
+    return PackedWeight(int(fmt), torch.from_numpy(blocks.copy()), cols), torch.from_numpy(reference)
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).norm() / want.norm())
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_dequantized_rows_are_ggufs_own(fmt):
+    packed, reference = _packed(fmt, 37, 96)
+    out = kernels().dequantize(packed.fmt, packed.blocks, packed.cols, torch.empty(37, 96))
+    assert torch.equal(out, reference)
+    rows = torch.tensor([36, 0, 5, 5])
+    picked = kernels().dequantize(packed.fmt, packed.blocks, packed.cols, torch.empty(4, 96), rows=rows)
+    assert torch.equal(picked, reference[rows])
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("rows", [1, 2, 7, 9, 40, 41, 130])
+def test_products_equal_the_dequantized_float_product(fmt, rows):
+    """Every path: exact widening (float32 sums, differing in order only), the dequantized
+    slices (more than KERNEL_MAX_ROWS rows), and one row with or without 8-bit activations."""
+    packed, reference = _packed(fmt, 300, 160, seed=rows)
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+    want = x @ reference.t()
+    exact = QuantizedLinear(packed, kernels(), None, torch.float32, int8_single_row=False)
+    torch.testing.assert_close(exact(x), want, rtol=1e-4, atol=1e-4)
+    rounded = QuantizedLinear(packed, kernels(), None, torch.float32, int8_single_row=True)(x)
+    if rows == 1:
+        assert 0 < _relative_error(rounded, want) < 0.02  # the activations' 8-bit rounding, and no more
+    else:
+        torch.testing.assert_close(rounded, want, rtol=1e-4, atol=1e-4)
+
+
+def test_slices_of_a_large_layer_cover_every_output(monkeypatch):
+    monkeypatch.setattr(quantized_layers, "SCRATCH_FLOATS", 160 * 7)  # 7 rows a slice: 43 slices
+    packed, reference = _packed(Q.Q4_1, 300, 160)
+    bias = torch.randn(300)
+    layer = QuantizedLinear(packed, kernels(), bias, torch.bfloat16)
+    x = torch.randn(2, 50, 160, dtype=torch.bfloat16)
+    out = layer(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 50, 300)
+    torch.testing.assert_close(out.float(), x.float() @ reference.t() + bias, rtol=2e-2, atol=5e-2)
+    assert layer.weight.is_meta and layer.weight.shape == (300, 160)
+
+
+def test_embedding_looks_up_dequantized_rows_and_refuses_unknown_ids():
+    packed, reference = _packed(Q.Q8_0, 50, 64)
+    embedding = QuantizedEmbedding(packed, kernels(), torch.float32)
+    ids = torch.tensor([[3, 49], [0, 3]])
+    assert torch.equal(embedding(ids), reference[ids])
+    for bad in (50, -1):
+        with pytest.raises(IndexError):
+            embedding(torch.tensor([[1, bad]]))
+
+
+def test_gguf_file_reads_blocks_by_name(tmp_path):
+    twin, _ = twin_pair(tmp_path / "m.gguf", Q.Q4_1, embedding_fmt=Q.Q8_0)
+    weights = read_gguf_weights(tmp_path / "m.gguf")
+    assert weights["token_embd.weight"].format_name == "Q8_0"
+    assert (weights["blk.1.ffn_down.weight"].rows, weights["blk.1.ffn_down.weight"].cols) == (64, 128)
+    assert weights["output.weight"].fmt == int(Q.Q4_1)
+
+
+PROMPTS = [[1 + (7 * i + j) % 90 for j in range(3 + i % 5)] for i in range(16)]
+
+
+def _hf_greedy(model, prompt: list[int], n: int = 12) -> list[int]:
+    """transformers' greedy decoding (tests.support's reference_greedy caches by prompt,
+    and each format's twin is another model)."""
+    x = torch.tensor([prompt])
+    out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n,
+                         eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def _engine_greedy(model, n: int = 12) -> list[list[int]]:
+    engine = make_engine(model)
+    ids = [engine.add_request(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+           for prompt in PROMPTS]
+    events = run_to_completion(engine)
+    return [[ev.token_id for ev in events[request]] for request in ids]
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_quantized_model_gives_its_float_twins_greedy_tokens(tmp_path, fmt, tied):
+    """16 prompts through the engine (its batches mix one-row and many-row steps), float32
+    activations, against transformers' greedy decoding of the dequantized twin."""
+    twin, model = twin_pair(tmp_path / "m.gguf", fmt, tie_word_embeddings=tied)
+    replaced = keep_gguf_weights_packed(model, tmp_path / "m.gguf", int8_single_row=False)
+    assert replaced == {fmt.name: 10}  # per layer: q/k/v, gate/up, o, down; the embedding and the head
+    assert isinstance(model.lm_head, QuantizedLinear) and isinstance(model.model.embed_tokens, QuantizedEmbedding)
+    if tied:
+        assert model.lm_head.blocks is model.model.embed_tokens.blocks  # one copy
+    assert not any(p.dim() > 1 for p in model.parameters())  # no float matrix left
+    got = _engine_greedy(model)
+    assert got == [_hf_greedy(twin, prompt) for prompt in PROMPTS]
+
+
+def test_a_layer_its_blocks_do_not_reproduce_stays_float(tmp_path, caplog):
+    _, model = twin_pair(tmp_path / "m.gguf", Q.Q4_1)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[0, 0] += 1.0  # no longer the file's weight
+    replaced = keep_gguf_weights_packed(model, tmp_path / "m.gguf")
+    assert replaced == {"Q4_1": 9}
+    assert type(model.model.layers[1].mlp.down_proj) is nn.Linear
+    assert isinstance(model.model.layers[0].mlp.down_proj, QuantizedLinear)
+    assert "blk.1.ffn_down.weight" in caplog.text and "stay in float" in caplog.text
+
+
+def test_int8_single_row_steps_stay_close_to_the_float_twin(tmp_path):
+    """The default one-row path rounds activations: logits within a few percent of the twin's."""
+    twin, model = twin_pair(tmp_path / "m.gguf", Q.Q4_1)
+    keep_gguf_weights_packed(model, tmp_path / "m.gguf")
+    assert model.model.layers[0].mlp.down_proj.int8_single_row
+    assert not model.lm_head.int8_single_row  # the head multiplies exactly: near-tied logits stay put
+    with torch.inference_mode():
+        want = twin(torch.tensor([[5]])).logits
+        got = model(torch.tensor([[5]])).logits
+    assert 0 < _relative_error(got, want) < 0.03
+
+
+def test_lora_wraps_quantized_projections(tmp_path):
+    from workers.core.limits import LoraLimits
+    from workers.lora.layers import LoraContext, LoraLinear
+    from workers.lora.manager import wrap_targets
+
+    _, model = twin_pair(tmp_path / "m.gguf", Q.Q4_1)
+    keep_gguf_weights_packed(model, tmp_path / "m.gguf")
+    targets = wrap_targets(model, LoraLimits(max_loras=2, max_rank=4), LoraContext())
+    assert isinstance(model.model.layers[0].mlp.down_proj, LoraLinear)
+    assert isinstance(model.model.layers[0].mlp.down_proj.base, QuantizedLinear)
+    assert "model.layers.0.self_attn.o_proj" in targets
+
+
+def test_deepcopy_keeps_one_block_tensor_per_layer(tmp_path):
+    _, model = twin_pair(tmp_path / "m.gguf", Q.Q8_0, tie_word_embeddings=True)
+    keep_gguf_weights_packed(model, tmp_path / "m.gguf")
+    clone = copy.deepcopy(model)
+    assert clone.lm_head.blocks is clone.model.embed_tokens.blocks
+
+
+def test_pickled_layer_computes_the_same(tmp_path):
+    import pickle
+
+    packed, _ = _packed(Q.Q4_1, 40, 64)
+    layer = QuantizedLinear(packed, kernels(), None, torch.float32)
+    x = torch.randn(3, 64)
+    assert torch.equal(pickle.loads(pickle.dumps(layer))(x), layer(x))

@@ -1,0 +1,1 @@
+"""Weights kept in a checkpoint's quantized blocks, and the kernels that multiply with them."""

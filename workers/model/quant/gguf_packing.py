@@ -1,0 +1,145 @@
+"""Swap a float model's layers, loaded from a GGUF file's float conversion, for layers that
+keep the file's quantized blocks (quantized_layers.py).
+
+The float model is the skeleton: its config, norms and layer structure come from
+transformers' conversion as before, and each linear or embedding whose GGUF tensor is in
+a format the kernels take is replaced. A replacement is checked against the float
+weight it replaces (its dequantized rows must equal it, up to the float dtype's rounding)
+before it goes in, so a name mapping or row order that does not hold for some
+architecture keeps that layer in float instead of computing wrong numbers. llama.cpp's
+converter stores q and k of Llama-family models with their rows interleaved per head
+(for its rotary layout); transformers undoes that on load, and so does this, with the
+same permutation, on whole byte rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from workers.model.fused_projections import FusedProjection, ProjectionSlice
+from workers.model.quant.native_kernels import QuantKernels, kernels
+from workers.model.quant.packed_weights import PackedWeight, read_gguf_weights
+from workers.model.quant.quantized_layers import QuantizedEmbedding, QuantizedLinear
+
+logger = logging.getLogger(__name__)
+
+# GGUF tensor name within block N -> the module path within transformers' layer N.
+LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+ROTARY_HEADS = {"attn_q": "num_attention_heads", "attn_k": "num_key_value_heads"}
+
+
+def keep_gguf_weights_packed(model: nn.Module, gguf: Path, int8_single_row: bool = True) -> Counter:
+    """Replace `model`'s layers by quantized ones from `gguf`, in place (after sibling
+    projections are fused: a fused group is replaced by its siblings' stacked rows).
+    `int8_single_row`: one-row products round the activations to 8 bits (QuantizedLinear).
+    Returns how many layers of each format were replaced (none without the kernels)."""
+    quant = kernels()
+    if quant is None:
+        return Counter()
+    matched = _matched_weights(model, read_gguf_weights(gguf), quant)
+    replaced: Counter = Counter()
+    head = model.get_output_embeddings()
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            # The output head multiplies exactly: rounding its input moves near-tied logits
+            # (the default model's first answer token to "What is the capital of France?"
+            # is 0.3 % ahead of the next, and 8-bit activations swap them).
+            rounded = int8_single_row and child is not head
+            swap = _replacement(child, matched.get(id(child)), quant, rounded)
+            if swap is not None:
+                setattr(parent, name, swap)
+                replaced[swap.format_name] += 1
+    for fused, siblings in _fused_groups(model).items():
+        parts = [matched.get(id(sibling)) for sibling in siblings]
+        if all(part is not None for part in parts) and len({part.fmt for part in parts}) == 1:
+            fused.linear = QuantizedLinear(PackedWeight.stacked(parts), quant, fused.linear.bias,
+                                           fused.linear.weight.dtype, int8_single_row)
+            replaced[fused.linear.format_name] += 1
+    return replaced
+
+
+def _fused_groups(model: nn.Module) -> dict[FusedProjection, list[ProjectionSlice]]:
+    """Each fused group and its sibling slices, in the order of their rows."""
+    groups: dict[FusedProjection, list[ProjectionSlice]] = {}
+    for module in model.modules():
+        for child in module.children():
+            if isinstance(child, ProjectionSlice):
+                groups.setdefault(child.fused, []).append(child)
+    return {fused: sorted(slices, key=lambda part: part.index) for fused, slices in groups.items()}
+
+
+def _matched_weights(model: nn.Module, weights: dict[str, PackedWeight], quant: QuantKernels) -> dict[int, PackedWeight]:
+    """id(float module) -> its packed weight, for each module whose float weight the packed
+    one reproduces (a ProjectionSlice's sibling weight included)."""
+    body = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    candidates: list[tuple[str, nn.Module, PackedWeight, str | None]] = []  # (GGUF name, module, ...)
+    embed = model.get_input_embeddings()
+    if "token_embd.weight" in weights:
+        candidates.append(("token_embd.weight", embed, weights["token_embd.weight"], None))
+    output = model.get_output_embeddings()
+    head_name = "output.weight" if "output.weight" in weights else "token_embd.weight"
+    if head_name in weights and (head_name == "output.weight" or output.weight is embed.weight):
+        candidates.append((head_name, output, weights[head_name], None))
+    for index, layer in enumerate(body.layers):
+        for gguf_name, path in LAYER_TENSORS.items():
+            name = f"blk.{index}.{gguf_name}.weight"
+            if name in weights:
+                candidates.append((name, layer.get_submodule(path), weights[name], ROTARY_HEADS.get(gguf_name)))
+    matched, refused = {}, []
+    for name, module, packed, heads_field in candidates:
+        found = _reproducing(module.weight, packed, quant, getattr(config, heads_field, None) if heads_field else None)
+        if found is None:
+            refused.append(name)
+        else:
+            matched[id(module)] = found
+    if refused:
+        logger.warning("%d GGUF weights do not reproduce the float model's (%s): those layers stay in float",
+                       len(refused), ", ".join(refused[:4]) + (" ..." if len(refused) > 4 else ""))
+    return matched
+
+
+def _reproducing(weight: torch.Tensor, packed: PackedWeight, quant: QuantKernels,
+                 heads: int | None) -> PackedWeight | None:
+    if weight.shape != (packed.rows, packed.cols) or weight.device.type != "cpu":
+        return None
+    orders = [packed] + ([packed.select_rows(_unpermuted_rows(packed.rows, heads))] if heads else [])
+    for candidate in orders:
+        dequantized = quant.dequantize(candidate.fmt, candidate.blocks, candidate.cols,
+                                       torch.empty(candidate.rows, candidate.cols))
+        if _same_weight(dequantized, weight):
+            return candidate
+    return None
+
+
+def _unpermuted_rows(rows: int, heads: int) -> torch.Tensor:
+    """The row order transformers' GGUF loader gives q/k (reverse_permute_weights): each
+    head's rows, stored as (half, pair), read back as (pair, half)."""
+    half = rows // heads // 2
+    return torch.arange(rows).reshape(heads, half, 2).transpose(1, 2).reshape(rows)
+
+
+def _same_weight(dequantized: torch.Tensor, weight: torch.Tensor) -> bool:
+    expected = weight.detach().to(torch.float32)
+    rounded = dequantized.to(weight.dtype).to(torch.float32)  # the float model's own rounding
+    return bool(torch.equal(rounded, expected))
+
+
+def _replacement(child: nn.Module, packed: PackedWeight | None, quant: QuantKernels,
+                 int8_single_row: bool) -> nn.Module | None:
+    if packed is None:
+        return None
+    if isinstance(child, nn.Embedding):
+        return QuantizedEmbedding(packed, quant, child.weight.dtype)
+    if type(child) is nn.Linear:
+        return QuantizedLinear(packed, quant, child.bias, child.weight.dtype, int8_single_row)
+    return None  # a sibling slice (its fused group is replaced whole)
