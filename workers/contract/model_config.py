@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -16,6 +18,11 @@ BUILTIN_DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
 DEFAULT_MAX_TOKENS = 4096
 CPU_DEFAULT_KV_CACHE_GIB = 1.0
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9._:/@+-]{1,128}")
+
+
+def default_cache_dir() -> Path:
+    """Where converted models and built kernels are kept when `cache_dir` is unset."""
+    return Path(os.environ.get("CHATSERVE_CACHE", Path.home() / ".cache" / "chatserve"))
 
 
 class _Strict(BaseModel):

@@ -30,7 +30,7 @@ from workers.lora.peft_files import LoraAdapter, LoraModule
 from workers.lora.slots import LoraSlots
 from workers.model.cpu_linear import PackedLinear
 from workers.model.fused_projections import ProjectionSlice
-from workers.model.quant.quantized_layers import QuantizedLinear
+from workers.quant.quantized_layers import QuantizedLinear
 
 # The attention and MLP projections of Llama-style decoders (Llama, Mistral, Qwen2/3,
 # Gemma, SmolLM, ...): what PEFT's usual target_modules name, and what chatserve adapts.

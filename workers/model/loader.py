@@ -26,12 +26,12 @@ from transformers import (
     AutoTokenizer,
 )
 
-from workers.contract.model_config import BUILTIN_DEFAULT_MODEL
+from workers.contract.model_config import BUILTIN_DEFAULT_MODEL, default_cache_dir
 from workers.model.cpu_linear import has_native_bf16_matmul, pack_linear_layers
 from workers.model.fused_projections import fuse_sibling_projections
+from workers.model.gguf_packing import keep_gguf_weights_packed
 from workers.model.hub_source import HubId, resolve_hub_model
-from workers.model.model_cache import converted_once, default_cache_dir
-from workers.model.quant.gguf_packing import keep_gguf_weights_packed
+from workers.model.model_cache import converted_once
 from workers.model.quantized_checkpoint import (
     dequantized_model_dir,
     quantization_method,
@@ -123,7 +123,7 @@ def load_model(
     quantized_matvec: str = "int8",
 ) -> LoadedModel:
     """`quantization`: `auto` keeps a GGUF file's Q4_0/Q4_1/Q8_0 weights in their blocks on
-    a CPU (workers/model/quant/), whose one-row products round the activations to 8 bits
+    a CPU (workers/quant/), whose one-row products round the activations to 8 bits
     when `quantized_matvec` is `int8`; `none` runs its float conversion. `fuse_projections`: each layer's q/k/v and gate/up projections run as one matrix
     multiply each (workers/model/fused_projections.py). `pack_cpu_weights`: a CPU model's linear
     weights are packed for oneDNN once (workers/model/cpu_linear.py): always in bfloat16 (the same

@@ -6,16 +6,11 @@ from __future__ import annotations
 
 import fcntl
 import logging
-import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("CHATSERVE_CACHE", Path.home() / ".cache" / "chatserve"))
 
 
 def converted_once(target: Path, convert: Callable[[Path], None], what: str) -> Path:

@@ -1,4 +1,4 @@
-"""GGUF blocks kept quantized (workers/model/quant/): the C kernels against gguf's own
+"""GGUF blocks kept quantized (workers/quant/): the C kernels against gguf's own
 dequantization, the layers' three product paths, and whole tiny models swapped into their
 blocks giving their float twin's greedy tokens through the engine."""
 
@@ -15,11 +15,11 @@ from torch import nn
 from tests.support.engines import make_engine, run_to_completion
 from tests.support.tiny_gguf import twin_pair
 from workers.contract.sampling_params import SamplingParams
-from workers.model.quant import quantized_layers
-from workers.model.quant.gguf_packing import keep_gguf_weights_packed
-from workers.model.quant.native_kernels import kernels
-from workers.model.quant.packed_weights import PackedWeight, read_gguf_weights
-from workers.model.quant.quantized_layers import QuantizedEmbedding, QuantizedLinear
+from workers.model.gguf_packing import keep_gguf_weights_packed
+from workers.quant import quantized_layers
+from workers.quant.native_kernels import kernels
+from workers.quant.packed_weights import PackedWeight, read_gguf_weights
+from workers.quant.quantized_layers import QuantizedEmbedding, QuantizedLinear
 
 Q = gguf.GGMLQuantizationType
 FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q8_0]

@@ -5,7 +5,7 @@ A build takes about a second, so it is done at the first use rather than at inst
 `-march=native` makes it the best code for the CPU it runs on, and the cache key holds
 the source, the compiler and the CPU's flags, so a cache directory shared by machines of
 different kinds keeps one build for each. Without a C compiler `kernels()` is None and
-the models load as floats (workers/model/quant/gguf_packing.py says so in the log).
+the models load as floats (workers/model/gguf_packing.py says so in the log).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch  # loaded first: the kernels then share torch's OpenMP runtime (one thread pool)
 
-from workers.model.model_cache import default_cache_dir
+from workers.contract.model_config import default_cache_dir
 
 logger = logging.getLogger(__name__)
 

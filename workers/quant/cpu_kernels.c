@@ -7,7 +7,7 @@ bits a weight from memory instead of 32, and the sums are float32 sums of the ex
 dequantized weights (the activations are not quantized, unlike llama.cpp's Q8 dot
 products), so the result equals the dequantized float product up to summation order.
 
-Built by workers/model/quant/native_kernels.py with the host's gcc (-O3 -march=native -fopenmp);
+Built by workers/quant/native_kernels.py with the host's gcc (-O3 -march=native -fopenmp);
 without AVX2 the portable loop below runs instead. The OpenMP runtime is torch's own
 (libgomp.so.1 is already loaded when this library is), so both share one thread pool. */
 

@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from workers.model.fused_projections import FusedProjection, ProjectionSlice
-from workers.model.quant.native_kernels import QuantKernels, kernels
-from workers.model.quant.packed_weights import PackedWeight, read_gguf_weights
-from workers.model.quant.quantized_layers import QuantizedEmbedding, QuantizedLinear
+from workers.quant.native_kernels import QuantKernels, kernels
+from workers.quant.packed_weights import PackedWeight, read_gguf_weights
+from workers.quant.quantized_layers import QuantizedEmbedding, QuantizedLinear
 
 logger = logging.getLogger(__name__)
 
