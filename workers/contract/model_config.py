@@ -285,8 +285,8 @@ class ModelConfig(_Strict):
         "concurrent sequences on a 2-core AVX2 CPU, docs/BENCHMARKS.md)")
     quantized_matvec: Literal["int8", "float32"] = Field(
         "int8", description="quantization auto, a step of one sequence: int8 rounds the activations to 8 bits a "
-        "block as llama.cpp does (the kernel is ~1.9x faster; greedy text can part from the float copy's after a "
-        "few dozen tokens); float32 multiplies exactly the dequantized weights")
+        "block as llama.cpp does (the kernel is ~1.9x faster; greedy text can part from the float copy's after "
+        "some tokens; the output layer stays exact); float32 multiplies exactly the dequantized weights")
     fuse_projections: bool = Field(
         True, description="run each layer's q/k/v projections, and its gate/up projections, as one matrix "
         "multiply each (fewer, wider weight passes)")

@@ -8,8 +8,8 @@ weight it replaces (its dequantized rows must equal it, up to the float dtype's 
 before it goes in, so a name mapping or row order that does not hold for some
 architecture keeps that layer in float instead of computing wrong numbers. llama.cpp's
 converter stores q and k of Llama-family models with their rows interleaved per head
-(for its rotary layout); transformers undoes that on load, and so does this, with the
-same permutation, on whole byte rows.
+(for its rotary layout); transformers' loader undoes that (LlamaTensorProcessor), and this
+applies the same rule to whole byte rows.
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ import logging
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
+from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
 from workers.model.fused_projections import FusedProjection, ProjectionSlice
 from workers.quant.native_kernels import QuantKernels, kernels
@@ -34,7 +36,6 @@ LAYER_TENSORS = {
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-ROTARY_HEADS = {"attn_q": "num_attention_heads", "attn_k": "num_key_value_heads"}
 
 
 def keep_gguf_weights_packed(model: nn.Module, gguf: Path, int8_single_row: bool = True) -> Counter:
@@ -82,22 +83,27 @@ def _matched_weights(model: nn.Module, weights: dict[str, PackedWeight], quant: 
     one reproduces (a ProjectionSlice's sibling weight included)."""
     body = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    candidates: list[tuple[str, nn.Module, PackedWeight, str | None]] = []  # (GGUF name, module, ...)
+    candidates: list[tuple[str, nn.Module]] = []  # (GGUF name, the module it would replace)
     embed = model.get_input_embeddings()
     if "token_embd.weight" in weights:
-        candidates.append(("token_embd.weight", embed, weights["token_embd.weight"], None))
+        candidates.append(("token_embd.weight", embed))
     output = model.get_output_embeddings()
     head_name = "output.weight" if "output.weight" in weights else "token_embd.weight"
     if head_name in weights and (head_name == "output.weight" or output.weight is embed.weight):
-        candidates.append((head_name, output, weights[head_name], None))
+        candidates.append((head_name, output))
     for index, layer in enumerate(body.layers):
         for gguf_name, path in LAYER_TENSORS.items():
             name = f"blk.{index}.{gguf_name}.weight"
             if name in weights:
-                candidates.append((name, layer.get_submodule(path), weights[name], ROTARY_HEADS.get(gguf_name)))
+                candidates.append((name, layer.get_submodule(path)))
+    # transformers' own rule for the rows of each tensor, applied to row numbers
+    rows_rule = LlamaTensorProcessor(config={"num_attention_heads": config.num_attention_heads,
+                                             "num_key_value_heads": config.num_key_value_heads})
     matched, refused = {}, []
-    for name, module, packed, heads_field in candidates:
-        found = _reproducing(module.weight, packed, quant, getattr(config, heads_field, None) if heads_field else None)
+    for name, module in candidates:
+        packed = weights[name]
+        loader_order = torch.from_numpy(rows_rule.process(np.arange(packed.rows), name).weights.copy())
+        found = _reproducing(module.weight, packed, quant, loader_order)
         if found is None:
             refused.append(name)
         else:
@@ -109,23 +115,18 @@ def _matched_weights(model: nn.Module, weights: dict[str, PackedWeight], quant: 
 
 
 def _reproducing(weight: torch.Tensor, packed: PackedWeight, quant: QuantKernels,
-                 heads: int | None) -> PackedWeight | None:
+                 loader_order: torch.Tensor) -> PackedWeight | None:
+    """`packed`, in the file's row order or in the one transformers' loader gave the float
+    model, whichever reproduces `weight`; None when neither does."""
     if weight.shape != (packed.rows, packed.cols) or weight.device.type != "cpu":
         return None
-    orders = [packed] + ([packed.select_rows(_unpermuted_rows(packed.rows, heads))] if heads else [])
-    for candidate in orders:
+    reordered = not torch.equal(loader_order, torch.arange(packed.rows))
+    for candidate in [packed] + ([packed.select_rows(loader_order)] if reordered else []):
         dequantized = quant.dequantize(candidate.fmt, candidate.blocks, candidate.cols,
                                        torch.empty(candidate.rows, candidate.cols))
         if _same_weight(dequantized, weight):
             return candidate
     return None
-
-
-def _unpermuted_rows(rows: int, heads: int) -> torch.Tensor:
-    """The row order transformers' GGUF loader gives q/k (reverse_permute_weights): each
-    head's rows, stored as (half, pair), read back as (pair, half)."""
-    half = rows // heads // 2
-    return torch.arange(rows).reshape(heads, half, 2).transpose(1, 2).reshape(rows)
 
 
 def _same_weight(dequantized: torch.Tensor, weight: torch.Tensor) -> bool:

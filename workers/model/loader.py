@@ -123,10 +123,11 @@ def load_model(
     quantized_matvec: str = "int8",
 ) -> LoadedModel:
     """`quantization`: `auto` keeps a GGUF file's Q4_0/Q4_1/Q8_0 weights in their blocks on
-    a CPU (workers/quant/), whose one-row products round the activations to 8 bits
-    when `quantized_matvec` is `int8`; `none` runs its float conversion. `fuse_projections`: each layer's q/k/v and gate/up projections run as one matrix
-    multiply each (workers/model/fused_projections.py). `pack_cpu_weights`: a CPU model's linear
-    weights are packed for oneDNN once (workers/model/cpu_linear.py): always in bfloat16 (the same
+    a CPU (workers/quant/), whose one-row products round the activations to 8 bits when
+    `quantized_matvec` is `int8`; `none` runs its float conversion. `fuse_projections`:
+    each layer's q/k/v and gate/up projections run as one matrix multiply each
+    (workers/model/fused_projections.py). `pack_cpu_weights`: a CPU model's linear weights
+    are packed for oneDNN once (workers/model/cpu_linear.py): always in bfloat16 (the same
     numbers, faster), in float32 where a short probe finds oneDNN faster than torch's own
     linear on this CPU."""
     path = prepare_model_dir(source, cache_dir)

@@ -1,11 +1,11 @@
 /* Products with GGUF block-quantized weights on the CPU (Q4_0, Q4_1, Q8_0).
 
 The weights stay in the file's own blocks (32 weights each, with an fp16 scale and, for
-Q4_1, an fp16 minimum), one row of blocks per output feature. A block is widened to
-float32 in registers and multiplied with float32 activations: a decode step reads 4-5
-bits a weight from memory instead of 32, and the sums are float32 sums of the exact
-dequantized weights (the activations are not quantized, unlike llama.cpp's Q8 dot
-products), so the result equals the dequantized float product up to summation order.
+Q4_1, an fp16 minimum), one row of blocks per output feature: a decode step reads 4.5-8.5
+bits a weight from memory instead of 32. Two products: a block widened to float32 in
+registers times float32 activations (float32 sums of the exact dequantized weights: the
+dequantized float product up to summation order), or, when asked, activations rounded to
+8 bits a block first and integer dot products (llama.cpp's way; faster, less exact).
 
 Built by workers/quant/native_kernels.py with the host's gcc (-O3 -march=native -fopenmp);
 without AVX2 the portable loop below runs instead. The OpenMP runtime is torch's own
@@ -41,7 +41,7 @@ static inline float half_to_float(uint16_t h) {
 
 static inline uint16_t read_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 
-int64_t block_bytes(int fmt) {
+static int64_t block_bytes(int fmt) {
     switch (fmt) {
         case FMT_Q4_0: return 18;
         case FMT_Q4_1: return 20;
@@ -118,30 +118,6 @@ static inline __attribute__((always_inline)) void dot_rows(int fmt, const uint8_
 
 #endif
 
-static void dot_rows_any(int fmt, const uint8_t *row, int64_t nblocks, int64_t bb, const float *x, int64_t K,
-                         int rows, float *y, int64_t ldy) {
-#ifdef __AVX2__
-    switch (rows) {  /* one specialized loop per row count */
-        case 1: dot_rows(fmt, row, nblocks, bb, x, K, 1, y, ldy); return;
-        case 2: dot_rows(fmt, row, nblocks, bb, x, K, 2, y, ldy); return;
-        case 3: dot_rows(fmt, row, nblocks, bb, x, K, 3, y, ldy); return;
-        case 4: dot_rows(fmt, row, nblocks, bb, x, K, 4, y, ldy); return;
-        case 5: dot_rows(fmt, row, nblocks, bb, x, K, 5, y, ldy); return;
-        case 6: dot_rows(fmt, row, nblocks, bb, x, K, 6, y, ldy); return;
-        case 7: dot_rows(fmt, row, nblocks, bb, x, K, 7, y, ldy); return;
-        default: dot_rows(fmt, row, nblocks, bb, x, K, 8, y, ldy); return;
-    }
-#else
-    float w[QK], acc[MAX_ROWS] = {0};
-    for (int64_t b = 0; b < nblocks; b++) {
-        widen_block_scalar(fmt, row + b * bb, w);
-        for (int r = 0; r < rows; r++)
-            for (int j = 0; j < QK; j++) acc[r] += w[j] * x[r * K + b * QK + j];
-    }
-    for (int r = 0; r < rows; r++) y[r * ldy] = acc[r];
-#endif
-}
-
 
 /* ---- Activations quantized to 8 bits per block (llama.cpp's Q8 dot products) ----
    Each activation row is cut into blocks of 32 with a float scale (absmax / 127) and the
@@ -152,6 +128,7 @@ static void dot_rows_any(int fmt, const uint8_t *row, int64_t nblocks, int64_t b
 
 typedef struct { float scale, sum; } act_block;  /* sum = scale * sum of the quantized values */
 
+#ifdef __AVX2__
 /* x (M x K floats) -> xq (M x K int8) and meta (M x K/32). */
 static void quantize_activations(const float *x, int64_t M, int64_t K, int8_t *xq, act_block *meta) {
     int64_t nblocks = K / QK;
@@ -172,7 +149,6 @@ static void quantize_activations(const float *x, int64_t M, int64_t K, int8_t *x
     }
 }
 
-#ifdef __AVX2__
 /* 8 int32 lanes: the sums of u8 x s8 products of 32 pairs. */
 static inline __m256i dot_u8_s8(__m256i u, __m256i s) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
@@ -211,66 +187,66 @@ static inline __attribute__((always_inline)) void dot_rows_q8(int fmt, const uin
     for (int r = 0; r < rows; r++) y[r * ldy] = hsum(acc[r]) + offset[r];
 }
 
-static void dot_rows_q8_any(int fmt, const uint8_t *row, int64_t nblocks, int64_t bb, const int8_t *xq,
-                            const act_block *meta, int64_t K, int rows, float *y, int64_t ldy) {
-    switch (rows) {
-        case 1: dot_rows_q8(fmt, row, nblocks, bb, xq, meta, K, 1, y, ldy); return;
-        case 2: dot_rows_q8(fmt, row, nblocks, bb, xq, meta, K, 2, y, ldy); return;
-        case 3: dot_rows_q8(fmt, row, nblocks, bb, xq, meta, K, 3, y, ldy); return;
-        case 4: dot_rows_q8(fmt, row, nblocks, bb, xq, meta, K, 4, y, ldy); return;
-        case 5: dot_rows_q8(fmt, row, nblocks, bb, xq, meta, K, 5, y, ldy); return;
-        case 6: dot_rows_q8(fmt, row, nblocks, bb, xq, meta, K, 6, y, ldy); return;
-        case 7: dot_rows_q8(fmt, row, nblocks, bb, xq, meta, K, 7, y, ldy); return;
-        default: dot_rows_q8(fmt, row, nblocks, bb, xq, meta, K, 8, y, ldy); return;
-    }
-}
 #endif
 
-/* As quantized_matmul, with the activations quantized to 8 bits first; `work` holds
-   M * K bytes plus M * K / 32 act_blocks (quantized_matmul_q8_work_bytes). Returns 0, -1
-   as quantized_matmul, or -2 without AVX2 (the caller uses quantized_matmul instead). */
-int64_t quantized_matmul_q8_work_bytes(int64_t M, int64_t K) {
-    return M * K + M * (K / QK) * (int64_t)sizeof(act_block);
-}
-
-int quantized_matmul_q8(int fmt, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M, float *y,
-                        void *work, int threads) {
+/* One weight row against up to MAX_ROWS activation rows: the 8-bit product when `xq` is
+   given, else the float one; one specialized loop per row count (the accumulators stay in
+   registers). */
+static void dot_tile(int fmt, const uint8_t *row, int64_t nblocks, int64_t bb, const float *x, const int8_t *xq,
+                     const act_block *meta, int64_t K, int rows, float *y, int64_t ldy) {
 #ifdef __AVX2__
-    int64_t bb = block_bytes(fmt);
-    if (bb < 0 || K % QK) return -1;
-    int64_t nblocks = K / QK, row_bytes = nblocks * bb;
-    int8_t *xq = (int8_t *)work;
-    act_block *meta = (act_block *)(xq + M * K);
-    quantize_activations(x, M, K, xq, meta);
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t n = 0; n < N; n++) {
-        for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
-            int rows = (int)(M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS);
-            dot_rows_q8_any(fmt, w + n * row_bytes, nblocks, bb, xq + m0 * K, meta + m0 * nblocks, K, rows,
-                            y + m0 * N + n, N);
-        }
-    }
-    return 0;
+#define ROWS_CASE(R) case R: \
+        if (xq) dot_rows_q8(fmt, row, nblocks, bb, xq, meta, K, R, y, ldy); \
+        else dot_rows(fmt, row, nblocks, bb, x, K, R, y, ldy); \
+        return;
+    switch (rows) { ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7)
+                    default: ROWS_CASE(8) }
+#undef ROWS_CASE
 #else
-    (void)fmt; (void)w; (void)N; (void)K; (void)x; (void)M; (void)y; (void)work; (void)threads;
-    return -2;
+    (void)xq; (void)meta;
+    float w[QK], acc[MAX_ROWS] = {0};
+    for (int64_t b = 0; b < nblocks; b++) {
+        widen_block_scalar(fmt, row + b * bb, w);
+        for (int r = 0; r < rows; r++)
+            for (int j = 0; j < QK; j++) acc[r] += w[j] * x[r * K + b * QK + j];
+    }
+    for (int r = 0; r < rows; r++) y[r * ldy] = acc[r];
 #endif
+}
+
+/* Bytes of `work` quantized_matmul needs for 8-bit activations: M * K int8 values and
+   M * K / 32 act_blocks. */
+int64_t quantized_matmul_work_bytes(int64_t M, int64_t K) {
+    return M * K + M * (K / QK) * (int64_t)sizeof(act_block);
 }
 
 /* y (M x N, row-major) = x (M x K) times the transpose of the N x K weight `w`, on
    `threads` threads (torch's count, passed in: the engine thread's OpenMP default may be
-   Ray's OMP_NUM_THREADS=1). Returns 0, or -1 for an unknown format or a K that is not
-   whole blocks. */
+   Ray's OMP_NUM_THREADS=1). With `work` (quantized_matmul_work_bytes) the activations are
+   rounded to 8 bits a block first, where the CPU has AVX2 (without it `work` is unused).
+   Returns 0, or -1 for an unknown format or a K that is not whole blocks. */
 int quantized_matmul(int fmt, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M, float *y,
-                     int threads) {
+                     void *work, int threads) {
     int64_t bb = block_bytes(fmt);
     if (bb < 0 || K % QK) return -1;
     int64_t nblocks = K / QK, row_bytes = nblocks * bb;
+    int8_t *xq = NULL;
+    act_block *meta = NULL;
+#ifdef __AVX2__
+    if (work) {
+        xq = (int8_t *)work;
+        meta = (act_block *)(xq + M * K);
+        quantize_activations(x, M, K, xq, meta);
+    }
+#else
+    (void)work;
+#endif
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t n = 0; n < N; n++) {
         for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
             int rows = (int)(M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS);
-            dot_rows_any(fmt, w + n * row_bytes, nblocks, bb, x + m0 * K, K, rows, y + m0 * N + n, N);
+            dot_tile(fmt, w + n * row_bytes, nblocks, bb, x + m0 * K, xq ? xq + m0 * K : NULL,
+                     meta ? meta + m0 * nblocks : NULL, K, rows, y + m0 * N + n, N);
         }
     }
     return 0;

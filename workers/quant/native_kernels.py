@@ -36,15 +36,13 @@ class QuantKernels:
     def __init__(self, library: ctypes.CDLL):
         self._matmul = library.quantized_matmul
         self._matmul.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        self._work_bytes = library.quantized_matmul_work_bytes
+        self._work_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64]
+        self._work_bytes.restype = ctypes.c_int64
         self._dequantize = library.dequantize_rows
         self._dequantize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                      ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-        self._matmul_q8 = library.quantized_matmul_q8
-        self._matmul_q8.argtypes = self._matmul.argtypes[:-1] + [ctypes.c_void_p, ctypes.c_int]
-        self._q8_work_bytes = library.quantized_matmul_q8_work_bytes
-        self._q8_work_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64]
-        self._q8_work_bytes.restype = ctypes.c_int64
 
     def __deepcopy__(self, memo: dict) -> "QuantKernels":
         return self  # one loaded library a process; a copied model shares it
@@ -52,27 +50,18 @@ class QuantKernels:
     def __reduce__(self):
         return (_loaded_kernels, ())  # a pickled model finds (or builds) the library where it lands
 
-    def matmul(self, fmt: int, blocks: torch.Tensor, cols: int, x: torch.Tensor) -> torch.Tensor:
-        """x (M x cols, float32, contiguous) times the transpose of the block rows."""
+    def matmul(self, fmt: int, blocks: torch.Tensor, cols: int, x: torch.Tensor,
+               int8_activations: bool = False) -> torch.Tensor:
+        """x (M x cols, float32, contiguous) times the transpose of the block rows.
+        `int8_activations`: x rounded to 8 bits a block first (llama.cpp's dot products:
+        about 2x faster for one row on AVX2, relative error ~0.5 %; without AVX2 the float
+        product runs)."""
         out = torch.empty(x.shape[0], blocks.shape[0], dtype=torch.float32)
+        work = torch.empty(self._work_bytes(x.shape[0], cols), dtype=torch.uint8) if int8_activations else None
         status = self._matmul(fmt, blocks.data_ptr(), blocks.shape[0], cols, x.data_ptr(), x.shape[0],
-                              out.data_ptr(), torch.get_num_threads())
+                              out.data_ptr(), None if work is None else work.data_ptr(), torch.get_num_threads())
         if status:
             raise ValueError(f"quantized_matmul: format {fmt} with {cols} columns is not supported")
-        return out
-
-    def matmul_q8(self, fmt: int, blocks: torch.Tensor, cols: int, x: torch.Tensor) -> torch.Tensor:
-        """As `matmul`, with the activations rounded to 8 bits a block first (llama.cpp's
-        dot products: about 2x faster for one row on AVX2, relative error ~0.5 %); falls
-        back to `matmul` on a CPU without AVX2."""
-        out = torch.empty(x.shape[0], blocks.shape[0], dtype=torch.float32)
-        work = torch.empty(self._q8_work_bytes(x.shape[0], cols), dtype=torch.uint8)
-        status = self._matmul_q8(fmt, blocks.data_ptr(), blocks.shape[0], cols, x.data_ptr(), x.shape[0],
-                                 out.data_ptr(), work.data_ptr(), torch.get_num_threads())
-        if status == -2:
-            return self.matmul(fmt, blocks, cols, x)
-        if status:
-            raise ValueError(f"quantized_matmul_q8: format {fmt} with {cols} columns is not supported")
         return out
 
     def dequantize(self, fmt: int, blocks: torch.Tensor, cols: int, out: torch.Tensor,
@@ -96,7 +85,7 @@ def kernels() -> QuantKernels | None:
         return None
     try:
         return QuantKernels(ctypes.CDLL(str(_built_library(compiler))))
-    except (OSError, subprocess.CalledProcessError) as exc:
+    except (OSError, subprocess.SubprocessError) as exc:
         logger.warning("building the quantized kernels failed (%s): quantized weights load as floats", exc)
         return None
 

@@ -31,10 +31,6 @@ class PackedWeight:
         return self.blocks.shape[0]
 
     @property
-    def nbytes(self) -> int:
-        return self.blocks.numel()
-
-    @property
     def format_name(self) -> str:
         return FORMAT_NAMES[self.fmt]
 

@@ -12,10 +12,10 @@ float model's oneDNN-packed product, 2026-11-26):
   multiplied with float32 activations (the dequantized product up to summation order):
   14 / 28 / 58 ms at 2 / 8 / 16 rows against 37 / 47 / 62 ms;
 - more rows (prefill, large batches): the weight is dequantized a slice at a time into a
-  reused buffer for torch's float matmul: 130 / 187 / 627 ms at 32 / 64 / 256 rows against
-  96 / 141 / 525 ms. The float model wins here (oneDNN's register-blocked GEMM against
-  MKL's on a fresh slice); a blocked kernel of our own did not beat it (4x2 tiles: 229 ms
-  at 64 rows).
+  reused buffer for torch's float matmul: 101 / 160 / 521 ms at 32 / 64 / 256 rows against
+  101 / 155 / 525 ms alone, but slower inside a running engine, where MKL re-packs each
+  fresh slice and the float model's GEMM was packed once (docs/BENCHMARKS.md). A blocked
+  kernel of our own did not beat the slices (4x2 tiles: 229 against 187 ms at 64 rows).
 So the numbers of a sequence alone in a step differ from those it gets beside others in
 the last bits (as they already do between batch shapes). The result comes back in the
 input's dtype.
@@ -61,10 +61,9 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
-        if flat.shape[0] == 1 and self.int8_single_row:
-            out = self.kernels.matmul_q8(self.fmt, self.blocks, self.in_features, flat)
-        elif flat.shape[0] <= KERNEL_MAX_ROWS:
-            out = self.kernels.matmul(self.fmt, self.blocks, self.in_features, flat)
+        if flat.shape[0] <= KERNEL_MAX_ROWS:
+            out = self.kernels.matmul(self.fmt, self.blocks, self.in_features, flat,
+                                      int8_activations=self.int8_single_row and flat.shape[0] == 1)
         else:
             out = self._dequantized_matmul(flat)
         if self.bias is not None:
@@ -109,7 +108,8 @@ class QuantizedEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1).to(torch.int64).contiguous()
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+        lowest, highest = torch.aminmax(flat) if flat.numel() else (0, 0)
+        if int(lowest) < 0 or int(highest) >= self.num_embeddings:
             raise IndexError(f"token id out of range [0, {self.num_embeddings})")  # the C loop does not check
         out = torch.empty(flat.numel(), self.embedding_dim, dtype=torch.float32)
         self.kernels.dequantize(self.fmt, self.blocks, self.embedding_dim, out, rows=flat)

@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from tests.support.engines import make_engine, run_to_completion
-from tests.support.tiny_gguf import twin_pair
+from tests.support.tiny_models import build_tiny_llama
 from workers.contract.sampling_params import SamplingParams
+from workers.model.fused_projections import fuse_sibling_projections
 from workers.model.gguf_packing import keep_gguf_weights_packed
 from workers.quant import quantized_layers
 from workers.quant.native_kernels import kernels
@@ -25,6 +26,64 @@ Q = gguf.GGMLQuantizationType
 FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
 
 pytestmark = pytest.mark.skipif(kernels() is None, reason="no C compiler to build the quantized kernels")
+
+
+# A tiny random Llama quantized into a GGUF file the way llama.cpp's converter writes it
+# (q/k rows interleaved per head, blocks of the chosen format), and its float twin: the
+# same model holding exactly the dequantized weights, as transformers would load them.
+LAYER_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down"}
+
+
+def _llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permute of q/k rows (transformers undoes it on load)."""
+    return (weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def _llama_cpp_permute_back(weight: np.ndarray, heads: int) -> np.ndarray:
+    """The inverse, written out on its own (the product reuses transformers' rule)."""
+    half = weight.shape[0] // heads // 2
+    return weight.reshape(heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _quantized_llama(path, fmt: gguf.GGMLQuantizationType, seed: int = 0, embedding_fmt=None,
+                    **overrides) -> torch.nn.Module:
+    """Write `path` (a GGUF of the tiny Llama's weights in `fmt`; the embedding in
+    `embedding_fmt`, default `fmt`) and return the float twin, fused as the loader fuses."""
+    model = build_tiny_llama(vocab_size=96, seed=seed, **overrides)
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    tensors = [("token_embd.weight", model.model.embed_tokens, None, embedding_fmt or fmt)]
+    if not config.tie_word_embeddings:
+        tensors.append(("output.weight", model.lm_head, None, fmt))
+    for index, layer in enumerate(model.model.layers):
+        for module_path, name in LAYER_NAMES.items():
+            heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}.get(name)
+            tensors.append((f"blk.{index}.{name}.weight", layer.get_submodule(module_path), heads, fmt))
+    for name, module, heads, tensor_fmt in tensors:
+        weight = module.weight.detach().float().numpy()
+        stored = _llama_cpp_permute(weight, heads) if heads else weight
+        blocks = gguf.quants.quantize(stored, tensor_fmt)
+        dequantized = gguf.quants.dequantize(blocks, tensor_fmt).reshape(stored.shape)
+        if heads:
+            dequantized = _llama_cpp_permute_back(dequantized, heads)
+        with torch.no_grad():
+            module.weight.copy_(torch.from_numpy(dequantized))
+        writer.add_tensor(name, blocks, raw_dtype=tensor_fmt)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    fuse_sibling_projections(model)
+    return model
+
+
+def _twin_pair(path, fmt, **kwargs) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(float twin, a copy of it to swap the GGUF's blocks into)."""
+    twin = _quantized_llama(path, fmt, **kwargs)
+    return twin, copy.deepcopy(twin)
 
 
 def _packed(fmt, rows: int, cols: int, seed: int = 0) -> tuple[PackedWeight, torch.Tensor]:
@@ -89,7 +148,7 @@ def test_embedding_looks_up_dequantized_rows_and_refuses_unknown_ids():
 
 
 def test_gguf_file_reads_blocks_by_name(tmp_path):
-    twin, _ = twin_pair(tmp_path / "m.gguf", Q.Q4_1, embedding_fmt=Q.Q8_0)
+    twin, _ = _twin_pair(tmp_path / "m.gguf", Q.Q4_1, embedding_fmt=Q.Q8_0)
     weights = read_gguf_weights(tmp_path / "m.gguf")
     assert weights["token_embd.weight"].format_name == "Q8_0"
     assert (weights["blk.1.ffn_down.weight"].rows, weights["blk.1.ffn_down.weight"].cols) == (64, 128)
@@ -121,7 +180,7 @@ def _engine_greedy(model, n: int = 12) -> list[list[int]]:
 def test_quantized_model_gives_its_float_twins_greedy_tokens(tmp_path, fmt, tied):
     """16 prompts through the engine (its batches mix one-row and many-row steps), float32
     activations, against transformers' greedy decoding of the dequantized twin."""
-    twin, model = twin_pair(tmp_path / "m.gguf", fmt, tie_word_embeddings=tied)
+    twin, model = _twin_pair(tmp_path / "m.gguf", fmt, tie_word_embeddings=tied)
     replaced = keep_gguf_weights_packed(model, tmp_path / "m.gguf", int8_single_row=False)
     assert replaced == {fmt.name: 10}  # per layer: q/k/v, gate/up, o, down; the embedding and the head
     assert isinstance(model.lm_head, QuantizedLinear) and isinstance(model.model.embed_tokens, QuantizedEmbedding)
@@ -133,7 +192,7 @@ def test_quantized_model_gives_its_float_twins_greedy_tokens(tmp_path, fmt, tied
 
 
 def test_a_layer_its_blocks_do_not_reproduce_stays_float(tmp_path, caplog):
-    _, model = twin_pair(tmp_path / "m.gguf", Q.Q4_1)
+    _, model = _twin_pair(tmp_path / "m.gguf", Q.Q4_1)
     with torch.no_grad():
         model.model.layers[1].mlp.down_proj.weight[0, 0] += 1.0  # no longer the file's weight
     replaced = keep_gguf_weights_packed(model, tmp_path / "m.gguf")
@@ -145,7 +204,7 @@ def test_a_layer_its_blocks_do_not_reproduce_stays_float(tmp_path, caplog):
 
 def test_int8_single_row_steps_stay_close_to_the_float_twin(tmp_path):
     """The default one-row path rounds activations: logits within a few percent of the twin's."""
-    twin, model = twin_pair(tmp_path / "m.gguf", Q.Q4_1)
+    twin, model = _twin_pair(tmp_path / "m.gguf", Q.Q4_1)
     keep_gguf_weights_packed(model, tmp_path / "m.gguf")
     assert model.model.layers[0].mlp.down_proj.int8_single_row
     assert not model.lm_head.int8_single_row  # the head multiplies exactly: near-tied logits stay put
@@ -160,7 +219,7 @@ def test_lora_wraps_quantized_projections(tmp_path):
     from workers.lora.layers import LoraContext, LoraLinear
     from workers.lora.manager import wrap_targets
 
-    _, model = twin_pair(tmp_path / "m.gguf", Q.Q4_1)
+    _, model = _twin_pair(tmp_path / "m.gguf", Q.Q4_1)
     keep_gguf_weights_packed(model, tmp_path / "m.gguf")
     targets = wrap_targets(model, LoraLimits(max_loras=2, max_rank=4), LoraContext())
     assert isinstance(model.model.layers[0].mlp.down_proj, LoraLinear)
@@ -169,7 +228,7 @@ def test_lora_wraps_quantized_projections(tmp_path):
 
 
 def test_deepcopy_keeps_one_block_tensor_per_layer(tmp_path):
-    _, model = twin_pair(tmp_path / "m.gguf", Q.Q8_0, tie_word_embeddings=True)
+    _, model = _twin_pair(tmp_path / "m.gguf", Q.Q8_0, tie_word_embeddings=True)
     keep_gguf_weights_packed(model, tmp_path / "m.gguf")
     clone = copy.deepcopy(model)
     assert clone.lm_head.blocks is clone.model.embed_tokens.blocks
