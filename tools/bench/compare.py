@@ -85,12 +85,14 @@ def resolve_model(name: str, out: Path) -> Model:
     raise SystemExit(f"unknown model {name!r} (default, near-free)")
 
 
-def serve_config(model: Model, dtype: str, out: Path, quantization: str = "auto") -> Path:
+def serve_config(model: Model, dtype: str, out: Path, quantization: str = "auto",
+                 quantized_activations: str = "int8x2") -> Path:
     """configs/default.yaml with the model, dtype and quantization swapped in, bound to loopback."""
     config = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())
     config["http_options"]["host"] = "127.0.0.1"
     spec = config["applications"][0]["args"]["models"][0]
-    spec.update(id=model.name, source=model.source, dtype=dtype, quantization=quantization)
+    spec.update(id=model.name, source=model.source, dtype=dtype, quantization=quantization,
+                quantized_activations=quantized_activations)
     spec["engine"]["max_num_seqs"] = model.max_num_seqs
     path = out / f"serve-{model.name}.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -109,7 +111,7 @@ def load(args, url: str, model_name: str, report: Path) -> None:
 
 def bench_engine(args, model: Model, mode: str, config: Path, report: Path) -> None:
     run([sys.executable, "-m", "tools.bench.engine", "--source", model.source, "--dtype", args.dtype,
-         "--quantization", args.quantization, mode,
+         "--quantization", args.quantization, "--quantized-activations", args.quantized_activations, mode,
          "--config", str(config), "--concurrency", *map(str, args.levels), "--max-tokens", str(args.max_tokens),
          "--json", str(report)])
 
@@ -237,6 +239,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32", help="every system's (vLLM's CPU build runs float32 here)")
     parser.add_argument("--quantization", choices=("auto", "none"), default="auto",
                         help="chatserve's (engine and Serve): auto keeps a GGUF file's blocks, none its float copy")
+    parser.add_argument("--quantized-activations", choices=("int8x2", "int8", "float32"), default="int8x2",
+                        help="chatserve's quantized_activations (engine and Serve)")
     parser.add_argument("--edge", choices=sorted(EDGES), default=DEFAULT_EDGE, help="the Serve path's HTTP edge")
     parser.add_argument("--serve-env", nargs="*", default=[], metavar="KEY=VALUE",
                         help="more environment for `serve run` (and so for Ray and the replicas)")
@@ -245,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     model = resolve_model(args.model, args.out)
-    config = serve_config(model, args.dtype, args.out, args.quantization)
+    config = serve_config(model, args.dtype, args.out, args.quantization, args.quantized_activations)
     reports = {system: args.out / f"{args.model}-{system}{args.label}.json" for system in args.systems}
     for system in args.systems:
         print(f"== {system}: {model.name}, c={args.levels}, {args.max_tokens} tokens", flush=True)

@@ -523,6 +523,8 @@ def main(argv: list[str] | None = None) -> None:
                         "transformers runs them (default: fused, as the worker loads them)")
     parser.add_argument("--quantization", choices=("auto", "none"), default="auto",
                         help="as the model config's quantization (auto: a GGUF file's blocks kept quantized)")
+    parser.add_argument("--quantized-activations", choices=("int8x2", "int8", "float32"), default="int8x2",
+                        help="as the model config's quantized_activations")
     sub = parser.add_subparsers(dest="command", required=True)
     decode = sub.add_parser("decode", help="decode step: engine vs raw HF forward (the raw model-forward rate)")
     decode.add_argument("--batch", type=int, nargs="+", default=[1, 16, 32])
@@ -580,7 +582,7 @@ def main(argv: list[str] | None = None) -> None:
     ab_test = args.command in ("packing", "fusion")  # these build their own variants
     loaded = load_model(args.source, dtype=args.dtype, pack_cpu_weights=not (args.no_pack or ab_test),
                         fuse_projections=not (args.no_fuse or args.command == "fusion"),
-                        quantization=args.quantization)
+                        quantization=args.quantization, quantized_activations=args.quantized_activations)
     if args.command != "decode":
         loaded.model.set_attn_implementation(register_paged_attention())
     commands = {"decode": run_decode, "packing": run_packing, "fusion": run_fusion, "offline": run_offline,

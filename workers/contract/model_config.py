@@ -267,7 +267,8 @@ class ModelConfig(_Strict):
         BUILTIN_DEFAULT_MODEL,
         description="a transformers model directory, a .gguf file, a Hugging Face Hub id (org/name or "
         "org/name@revision: safetensors and configs fetched into huggingface_hub's cache, HF_HUB_CACHE or "
-        "HF_HOME; read from the cache alone with HF_HUB_OFFLINE=1), or " + BUILTIN_DEFAULT_MODEL + ". A GGUF "
+        "HF_HOME; read from the cache alone with HF_HUB_OFFLINE=1; org/name:Q4_K_M: the GGUF file of a GGUF "
+        "repository whose name ends with the tag), or " + BUILTIN_DEFAULT_MODEL + ". A GGUF "
         "file is converted once into a float copy in the model cache (see quantization for its blocks); a GPTQ, AWQ "
         "(4-bit) or FP8 checkpoint is dequantized once into a float copy (not kept packed)",
     )
@@ -279,14 +280,16 @@ class ModelConfig(_Strict):
         True, description="CPU: pack linear weights for oneDNN once at load; bfloat16 always (same numbers, "
         "faster), float32 where a load-time probe finds it faster on this CPU")
     quantization: Literal["auto", "none"] = Field(
-        "auto", description="auto: on a CPU, a GGUF file's Q4_0, Q4_1 and Q8_0 weights stay in their 4/8-bit blocks "
+        "auto", description="auto: on a CPU, a GGUF file's Q4_0, Q4_1, Q8_0 weights stay in their blocks (Q4_K, Q5_K, "
+        "Q6_K in blocks of 32 with float32 scales) "
         "and multiply through chatserve's C kernels (built once with the host's gcc; the default model's weights take "
-        "97 MB instead of 540); other formats and devices load as floats. none: the float copy (faster at 32+ "
-        "concurrent sequences on a 2-core AVX2 CPU, docs/BENCHMARKS.md)")
-    quantized_matvec: Literal["int8", "float32"] = Field(
-        "int8", description="quantization auto, a step of one sequence: int8 rounds the activations to 8 bits a "
-        "block as llama.cpp does (the kernel is ~1.9x faster; greedy text can part from the float copy's after "
-        "some tokens; the output layer stays exact); float32 multiplies exactly the dequantized weights")
+        "97 MB instead of 540); other formats and devices load as floats. none: the float copy")
+    quantized_activations: Literal["int8x2", "int8", "float32"] = Field(
+        "int8x2", description="quantization auto, how the quantized linears take their input: int8 rounds it to 8 "
+        "bits a block and multiplies as integers, as llama.cpp does (fastest: 2-5x the float copy's products on a "
+        "2-core AVX2 CPU; its rounding can change greedy text, the default model's first answer included); int8x2 "
+        "also multiplies what that rounding left out (within ~2e-5 of float; 1-5x the float copy's speed); float32 "
+        "multiplies the dequantized weights exactly (the float copy's speed). The output layer is always exact")
     fuse_projections: bool = Field(
         True, description="run each layer's q/k/v projections, and its gate/up projections, as one matrix "
         "multiply each (fewer, wider weight passes)")

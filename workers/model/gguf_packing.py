@@ -38,10 +38,10 @@ LAYER_TENSORS = {
 }
 
 
-def keep_gguf_weights_packed(model: nn.Module, gguf: Path, int8_single_row: bool = True) -> Counter:
+def keep_gguf_weights_packed(model: nn.Module, gguf: Path, activations: str = "int8x2") -> Counter:
     """Replace `model`'s layers by quantized ones from `gguf`, in place (after sibling
     projections are fused: a fused group is replaced by its siblings' stacked rows).
-    `int8_single_row`: one-row products round the activations to 8 bits (QuantizedLinear).
+    `activations`: int8x2, int8 or float32, how the linears take their input (QuantizedLinear).
     Returns how many layers of each format were replaced (none without the kernels)."""
     quant = kernels()
     if quant is None:
@@ -54,8 +54,8 @@ def keep_gguf_weights_packed(model: nn.Module, gguf: Path, int8_single_row: bool
             # The output head multiplies exactly: rounding its input moves near-tied logits
             # (the default model's first answer token to "What is the capital of France?"
             # is 0.3 % ahead of the next, and 8-bit activations swap them).
-            rounded = int8_single_row and child is not head
-            swap = _replacement(child, matched.get(id(child)), quant, rounded)
+            layer_activations = activations if child is not head else "float32"
+            swap = _replacement(child, matched.get(id(child)), quant, layer_activations)
             if swap is not None:
                 setattr(parent, name, swap)
                 replaced[swap.format_name] += 1
@@ -63,7 +63,7 @@ def keep_gguf_weights_packed(model: nn.Module, gguf: Path, int8_single_row: bool
         parts = [matched.get(id(sibling)) for sibling in siblings]
         if all(part is not None for part in parts) and len({part.fmt for part in parts}) == 1:
             fused.linear = QuantizedLinear(PackedWeight.stacked(parts), quant, fused.linear.bias,
-                                           fused.linear.weight.dtype, int8_single_row)
+                                           fused.linear.weight.dtype, activations)
             replaced[fused.linear.format_name] += 1
     return replaced
 
@@ -136,11 +136,11 @@ def _same_weight(dequantized: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _replacement(child: nn.Module, packed: PackedWeight | None, quant: QuantKernels,
-                 int8_single_row: bool) -> nn.Module | None:
+                 activations: str) -> nn.Module | None:
     if packed is None:
         return None
     if isinstance(child, nn.Embedding):
         return QuantizedEmbedding(packed, quant, child.weight.dtype)
     if type(child) is nn.Linear:
-        return QuantizedLinear(packed, quant, child.bias, child.weight.dtype, int8_single_row)
+        return QuantizedLinear(packed, quant, child.bias, child.weight.dtype, activations)
     return None  # a sibling slice (its fused group is replaced whole)

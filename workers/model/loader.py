@@ -30,7 +30,7 @@ from workers.contract.model_config import BUILTIN_DEFAULT_MODEL, default_cache_d
 from workers.model.cpu_linear import has_native_bf16_matmul, pack_linear_layers
 from workers.model.fused_projections import fuse_sibling_projections
 from workers.model.gguf_packing import keep_gguf_weights_packed
-from workers.model.hub_source import HubId, resolve_hub_model
+from workers.model.hub_source import HubId, resolve_hub_gguf, resolve_hub_model
 from workers.model.model_cache import converted_once
 from workers.model.quantized_checkpoint import (
     dequantized_model_dir,
@@ -71,10 +71,15 @@ def builtin_gguf_path(name: str) -> Path:
 
 
 def resolve_gguf(source: str) -> Path | None:
+    """The GGUF file `source` names: a built-in model, a .gguf path, or a Hub id with a
+    :tag (org/name:Q4_K_M, fetched into huggingface_hub's cache); None for the others."""
     if source in _BUILTIN_GGUF:
         return builtin_gguf_path(source)
     if source.startswith("builtin:"):
         raise ValueError(f"unknown built-in model {source!r}; known: {sorted(_BUILTIN_GGUF)}")
+    hub = HubId.parse(source)
+    if hub is not None and hub.gguf is not None:
+        return resolve_hub_gguf(hub)
     path = Path(source)
     return path if path.suffix == ".gguf" else None
 
@@ -120,11 +125,13 @@ def load_model(
     pack_cpu_weights: bool = True,
     fuse_projections: bool = True,
     quantization: str = "auto",
-    quantized_matvec: str = "int8",
+    quantized_activations: str = "int8x2",
 ) -> LoadedModel:
-    """`quantization`: `auto` keeps a GGUF file's Q4_0/Q4_1/Q8_0 weights in their blocks on
-    a CPU (workers/quant/), whose one-row products round the activations to 8 bits when
-    `quantized_matvec` is `int8`; `none` runs its float conversion. `fuse_projections`:
+    """`quantization`: `auto` keeps a GGUF file's Q4_0/Q4_1/Q8_0 (and, rewritten, Q4_K/Q5_K/
+    Q6_K) weights in their blocks on
+    a CPU (workers/quant/), whose products take the activations as `quantized_activations`
+    says (int8x2, int8 or float32, workers/quant/quantized_layers.py); `none` runs its float
+    conversion. `fuse_projections`:
     each layer's q/k/v and gate/up projections run as one matrix multiply each
     (workers/model/fused_projections.py). `pack_cpu_weights`: a CPU model's linear weights
     are packed for oneDNN once (workers/model/cpu_linear.py): always in bfloat16 (the same
@@ -148,7 +155,7 @@ def load_model(
             logger.info("fused %d groups of sibling projections", fused)
     gguf = resolve_gguf(source)
     if quantization == "auto" and gguf is not None and device == "cpu":
-        kept = keep_gguf_weights_packed(loaded.model, gguf, int8_single_row=quantized_matvec == "int8")
+        kept = keep_gguf_weights_packed(loaded.model, gguf, activations=quantized_activations)
         logger.info("kept quantized from %s: %s", gguf.name, dict(kept) or "no layer (float path)")
     if pack_cpu_weights:
         packed = pack_linear_layers(loaded.model)

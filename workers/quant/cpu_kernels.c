@@ -1,23 +1,33 @@
 /* Products with GGUF block-quantized weights on the CPU (Q4_0, Q4_1, Q8_0).
 
-The weights stay in the file's own blocks (32 weights each, with an fp16 scale and, for
-Q4_1, an fp16 minimum), one row of blocks per output feature: a decode step reads 4.5-8.5
-bits a weight from memory instead of 32. Two products: a block widened to float32 in
-registers times float32 activations (float32 sums of the exact dequantized weights: the
-dequantized float product up to summation order), or, when asked, activations rounded to
-8 bits a block first and integer dot products (llama.cpp's way; faster, less exact).
+The weights stay in the file's blocks (32 weights each, with an fp16 scale and, for Q4_1,
+an fp16 minimum): a decode step reads 4.5-8.5 bits a weight from memory instead of 32.
+Two products:
+- `quantized_matmul`: one row of blocks per output feature (the file's layout), each
+  block widened to float32 in registers times float32 activations: the dequantized float
+  product up to summation order (the output head, and `quantized_activations: float32`).
+- `interleaved_matmul`: rows interleaved by 8 (packed_weights.interleave_rows), the
+  activations rounded to 8 bits a block and multiplied as integers (llama.cpp's way):
+  2-3x faster at every row count, with the activations' rounding.
 
 Built by workers/quant/native_kernels.py with the host's gcc (-O3 -march=native -fopenmp);
-without AVX2 the portable loop below runs instead. The OpenMP runtime is torch's own
-(libgomp.so.1 is already loaded when this library is), so both share one thread pool. */
+without AVX2 the portable loops below run instead (same numbers up to float rounding).
+The OpenMP runtime is torch's own (libgomp.so.1 is already loaded when this library is),
+so both share one thread pool. */
 
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
-enum { FMT_Q4_0 = 2, FMT_Q4_1 = 3, FMT_Q8_0 = 8 };  /* ggml's type ids */
+/* ggml's type ids, and two of our own that hold GGUF's K-quants exactly, one block of 32
+   weights with float32 fields (packed_weights.py converts them at load):
+   Q4_F32 (Q4_K): f32 scale d, f32 minimum m, 16 bytes of 4-bit q (Q4_1's order): w = d q + m;
+   Q8_F32 (Q5_K, Q6_K): f32 scales d_lo (columns 0-15) and d_hi (16-31), f32 minimum m, 32
+   signed bytes q: w = d q + m. */
+enum { FMT_Q4_0 = 2, FMT_Q4_1 = 3, FMT_Q8_0 = 8, FMT_Q4_F32 = 103, FMT_Q8_F32 = 108 };
 #define QK 32
 #define MAX_ROWS 8  /* activation rows that share one widening of a block */
 
@@ -40,53 +50,79 @@ static inline float half_to_float(uint16_t h) {
 }
 
 static inline uint16_t read_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static inline float read_f32(const uint8_t *p) { float v; memcpy(&v, p, 4); return v; }
+
+static inline int is_q8(int fmt) { return fmt == FMT_Q8_0 || fmt == FMT_Q8_F32; }
+
+/* Bytes of the scale and minimum fields ahead of a block's quants (file's row layout). */
+static inline int fields_bytes(int fmt) {
+    switch (fmt) {
+        case FMT_Q4_1: return 4;
+        case FMT_Q4_F32: return 8;
+        case FMT_Q8_F32: return 12;
+        default: return 2;
+    }
+}
+
+/* A row-layout block's scale for columns 0-15 and 16-31, and its minimum. */
+static inline void block_fields(int fmt, const uint8_t *b, float *d_lo, float *d_hi, float *m) {
+    switch (fmt) {
+        case FMT_Q4_F32: *d_lo = *d_hi = read_f32(b); *m = read_f32(b + 4); return;
+        case FMT_Q8_F32: *d_lo = read_f32(b); *d_hi = read_f32(b + 4); *m = read_f32(b + 8); return;
+        default:
+            *d_lo = *d_hi = half_to_float(read_u16(b));
+            *m = fmt == FMT_Q4_1 ? half_to_float(read_u16(b + 2)) : fmt == FMT_Q4_0 ? -8.0f * *d_lo : 0.0f;
+    }
+}
 
 static int64_t block_bytes(int fmt) {
     switch (fmt) {
         case FMT_Q4_0: return 18;
         case FMT_Q4_1: return 20;
         case FMT_Q8_0: return 34;
+        case FMT_Q4_F32: return 24;
+        case FMT_Q8_F32: return 44;
         default: return -1;
     }
 }
 
 /* The 32 weights of one block as floats. */
 static inline void widen_block_scalar(int fmt, const uint8_t *b, float *out) {
-    float d = half_to_float(read_u16(b));
-    if (fmt == FMT_Q8_0) {
-        const int8_t *q = (const int8_t *)(b + 2);
-        for (int j = 0; j < QK; j++) out[j] = d * q[j];
+    float d_lo, d_hi, m;
+    block_fields(fmt, b, &d_lo, &d_hi, &m);
+    const uint8_t *qs = b + fields_bytes(fmt);
+    if (is_q8(fmt)) {
+        const int8_t *q = (const int8_t *)qs;
+        for (int j = 0; j < QK; j++) out[j] = fmaf(j < QK / 2 ? d_lo : d_hi, (float)q[j], m);
         return;
     }
-    const uint8_t *qs = b + (fmt == FMT_Q4_1 ? 4 : 2);
-    float m = fmt == FMT_Q4_1 ? half_to_float(read_u16(b + 2)) : -8.0f * d;
     for (int j = 0; j < QK / 2; j++) {
-        out[j] = d * (qs[j] & 0x0f) + m;
-        out[j + QK / 2] = d * (qs[j] >> 4) + m;
+        out[j] = fmaf(d_lo, (float)(qs[j] & 0x0f), m);
+        out[j + QK / 2] = fmaf(d_hi, (float)(qs[j] >> 4), m);
     }
 }
 
 #ifdef __AVX2__
 static inline void widen_block(int fmt, const uint8_t *b, __m256 w[4]) {
-    __m256 d = _mm256_set1_ps(half_to_float(read_u16(b)));
-    if (fmt == FMT_Q8_0) {
-        __m256i q = _mm256_loadu_si256((const __m256i *)(b + 2));
+    float d_lo, d_hi, m_scalar;
+    block_fields(fmt, b, &d_lo, &d_hi, &m_scalar);
+    const __m256 lo_d = _mm256_set1_ps(d_lo), hi_d = _mm256_set1_ps(d_hi), m = _mm256_set1_ps(m_scalar);
+    const uint8_t *qs = b + fields_bytes(fmt);
+    if (is_q8(fmt)) {
+        __m256i q = _mm256_loadu_si256((const __m256i *)qs);
         __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
-        w[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)));
-        w[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))));
-        w[2] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)));
-        w[3] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))));
+        w[0] = _mm256_fmadd_ps(lo_d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), m);
+        w[1] = _mm256_fmadd_ps(lo_d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), m);
+        w[2] = _mm256_fmadd_ps(hi_d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), m);
+        w[3] = _mm256_fmadd_ps(hi_d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), m);
         return;
     }
-    const uint8_t *qs = b + (fmt == FMT_Q4_1 ? 4 : 2);
-    __m256 m = fmt == FMT_Q4_1 ? _mm256_set1_ps(half_to_float(read_u16(b + 2)))
-                               : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
     __m128i raw = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(0x0f);
     __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-    w[0] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), m);
-    w[1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), m);
-    w[2] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), m);
-    w[3] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), m);
+    w[0] = _mm256_fmadd_ps(lo_d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), m);
+    w[1] = _mm256_fmadd_ps(lo_d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), m);
+    w[2] = _mm256_fmadd_ps(hi_d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), m);
+    w[3] = _mm256_fmadd_ps(hi_d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), m);
 }
 
 static inline float hsum(__m256 v) {
@@ -122,88 +158,85 @@ static inline __attribute__((always_inline)) void dot_rows(int fmt, const uint8_
 /* ---- Activations quantized to 8 bits per block (llama.cpp's Q8 dot products) ----
    Each activation row is cut into blocks of 32 with a float scale (absmax / 127) and the
    block's sum; a weight block times an activation block is then an integer dot product
-   (u8 x s8 pairs, `maddubs`) and one FMA: about half the instructions of widening every
-   weight to float, on a loop that is compute-bound on 2 cores. The price is the
+   (u8 x s8 pairs, `maddubs`) and one FMA, far fewer instructions than widening every
+   weight to float, on loops that are compute-bound on 2 cores. The price is the
    activations' rounding (relative error <= 1/254 per value), as in llama.cpp. */
 
 typedef struct { float scale, sum; } act_block;  /* sum = scale * sum of the quantized values */
 
+/* One block of 32 floats -> 32 int8 (rounded to nearest, ties to even: the same in both
+   versions below) and its act_block. */
 #ifdef __AVX2__
-/* x (M x K floats) -> xq (M x K int8) and meta (M x K/32). */
-static void quantize_activations(const float *x, int64_t M, int64_t K, int8_t *xq, act_block *meta) {
-    int64_t nblocks = K / QK;
-    for (int64_t i = 0; i < M * nblocks; i++) {
-        const float *src = x + i * QK;
-        float amax = 0.0f;
-        for (int j = 0; j < QK; j++) { float a = src[j] < 0 ? -src[j] : src[j]; if (a > amax) amax = a; }
-        float scale = amax / 127.0f, inv = scale > 0 ? 1.0f / scale : 0.0f;
-        int sum = 0;
-        for (int j = 0; j < QK; j++) {
-            float v = src[j] * inv;
-            int q = (int)(v < 0 ? v - 0.5f : v + 0.5f);
-            xq[i * QK + j] = (int8_t)q;
-            sum += q;
-        }
-        meta[i].scale = scale;
-        meta[i].sum = scale * (float)sum;
+static inline act_block quantize_block(const float *src, int8_t *dst) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int k = 0; k < 4; k++) {
+        v[k] = _mm256_loadu_ps(src + 8 * k);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[k]));
     }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    float scale = _mm_cvtss_f32(m4) / 127.0f, inv = scale > 0 ? 1.0f / scale : 0.0f;
+    __m256i q[4];
+    for (int k = 0; k < 4; k++)
+        q[k] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[k], _mm256_set1_ps(inv)),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4e));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xb1));
+    /* packs work within 128-bit lanes: the permute puts the 32 bytes back in order */
+    __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    packed = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)dst, packed);
+    return (act_block){scale, scale * (float)_mm_cvtsi128_si32(t4)};
 }
-
-/* 8 int32 lanes: the sums of u8 x s8 products of 32 pairs. */
-static inline __m256i dot_u8_s8(__m256i u, __m256i s) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-}
-
-static inline __attribute__((always_inline)) void dot_rows_q8(int fmt, const uint8_t *row, int64_t nblocks,
-                                                              int64_t bb, const int8_t *xq, const act_block *meta,
-                                                              int64_t K, int rows, float *y, int64_t ldy) {
-    __m256 acc[MAX_ROWS];
-    float offset[MAX_ROWS];
-    for (int r = 0; r < rows; r++) { acc[r] = _mm256_setzero_ps(); offset[r] = 0.0f; }
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    for (int64_t b = 0; b < nblocks; b++) {
-        const uint8_t *blk = row + b * bb;
-        float d = half_to_float(read_u16(blk)), m;
-        __m256i wq;  /* u8 magnitudes (Q4) or the signed values (Q8_0) */
-        if (fmt == FMT_Q8_0) {
-            wq = _mm256_loadu_si256((const __m256i *)(blk + 2));
-            m = 0.0f;
-        } else {
-            const uint8_t *qs = blk + (fmt == FMT_Q4_1 ? 4 : 2);
-            __m128i raw = _mm_loadu_si128((const __m128i *)qs);
-            wq = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
-            m = fmt == FMT_Q4_1 ? half_to_float(read_u16(blk + 2)) : -8.0f * d;
-        }
-        __m256i wabs = fmt == FMT_Q8_0 ? _mm256_sign_epi8(wq, wq) : wq;
-        for (int r = 0; r < rows; r++) {
-            const act_block *a = meta + r * (K / QK) + b;
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * K + b * QK));
-            if (fmt == FMT_Q8_0) xv = _mm256_sign_epi8(xv, wq);  /* u8 |w| times s8 x*sign(w) */
-            __m256 dot = _mm256_cvtepi32_ps(dot_u8_s8(wabs, xv));
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * a->scale), dot, acc[r]);
-            offset[r] += m * a->sum;
-        }
+#else
+static inline act_block quantize_block(const float *src, int8_t *dst) {
+    float amax = 0.0f;
+    for (int j = 0; j < QK; j++) { float a = fabsf(src[j]); if (a > amax) amax = a; }
+    float scale = amax / 127.0f, inv = scale > 0 ? 1.0f / scale : 0.0f;
+    int sum = 0;
+    for (int j = 0; j < QK; j++) {
+        int q = (int)nearbyintf(src[j] * inv);  /* the default rounding: to nearest, ties to even */
+        dst[j] = (int8_t)q;
+        sum += q;
     }
-    for (int r = 0; r < rows; r++) y[r * ldy] = hsum(acc[r]) + offset[r];
+    return (act_block){scale, scale * (float)sum};
 }
-
 #endif
 
-/* One weight row against up to MAX_ROWS activation rows: the 8-bit product when `xq` is
-   given, else the float one; one specialized loop per row count (the accumulators stay in
-   registers). */
-static void dot_tile(int fmt, const uint8_t *row, int64_t nblocks, int64_t bb, const float *x, const int8_t *xq,
-                     const act_block *meta, int64_t K, int rows, float *y, int64_t ldy) {
+/* x (M x K floats) -> xq (M * levels rows of K int8) and meta (M * levels x K/32). With two
+   levels, row 2i holds x's row i rounded and row 2i+1 what that rounding left out (the
+   residual, rounded with its own scale): their sum is within ~1e-4 of x, relative. */
+static void quantize_activations(const float *x, int64_t M, int64_t K, int levels, int8_t *xq, act_block *meta) {
+    int64_t nblocks = K / QK;
+    float residual[QK];
+    for (int64_t i = 0; i < M; i++) {
+        for (int64_t b = 0; b < nblocks; b++) {
+            const float *src = x + i * K + b * QK;
+            int64_t row = i * levels;
+            int8_t *q = xq + row * K + b * QK;
+            act_block first = meta[row * nblocks + b] = quantize_block(src, q);
+            if (levels == 2) {
+                for (int j = 0; j < QK; j++) residual[j] = src[j] - first.scale * (float)q[j];
+                meta[(row + 1) * nblocks + b] = quantize_block(residual, xq + (row + 1) * K + b * QK);
+            }
+        }
+    }
+}
+
+/* One weight row against up to MAX_ROWS activation rows; one specialized loop per row
+   count (the accumulators stay in registers). */
+static void dot_tile(int fmt, const uint8_t *row, int64_t nblocks, int64_t bb, const float *x, int64_t K, int rows,
+                     float *y, int64_t ldy) {
 #ifdef __AVX2__
-#define ROWS_CASE(R) case R: \
-        if (xq) dot_rows_q8(fmt, row, nblocks, bb, xq, meta, K, R, y, ldy); \
-        else dot_rows(fmt, row, nblocks, bb, x, K, R, y, ldy); \
-        return;
+#define ROWS_CASE(R) case R: dot_rows(fmt, row, nblocks, bb, x, K, R, y, ldy); return;
     switch (rows) { ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7)
                     default: ROWS_CASE(8) }
 #undef ROWS_CASE
 #else
-    (void)xq; (void)meta;
     float w[QK], acc[MAX_ROWS] = {0};
     for (int64_t b = 0; b < nblocks; b++) {
         widen_block_scalar(fmt, row + b * bb, w);
@@ -214,39 +247,233 @@ static void dot_tile(int fmt, const uint8_t *row, int64_t nblocks, int64_t bb, c
 #endif
 }
 
-/* Bytes of `work` quantized_matmul needs for 8-bit activations: M * K int8 values and
-   M * K / 32 act_blocks. */
-int64_t quantized_matmul_work_bytes(int64_t M, int64_t K) {
-    return M * K + M * (K / QK) * (int64_t)sizeof(act_block);
-}
-
 /* y (M x N, row-major) = x (M x K) times the transpose of the N x K weight `w`, on
    `threads` threads (torch's count, passed in: the engine thread's OpenMP default may be
-   Ray's OMP_NUM_THREADS=1). With `work` (quantized_matmul_work_bytes) the activations are
-   rounded to 8 bits a block first, where the CPU has AVX2 (without it `work` is unused).
-   Returns 0, or -1 for an unknown format or a K that is not whole blocks. */
+   Ray's OMP_NUM_THREADS=1). Returns 0, or -1 for an unknown format or a K that is not
+   whole blocks. */
 int quantized_matmul(int fmt, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M, float *y,
-                     void *work, int threads) {
+                     int threads) {
     int64_t bb = block_bytes(fmt);
     if (bb < 0 || K % QK) return -1;
     int64_t nblocks = K / QK, row_bytes = nblocks * bb;
-    int8_t *xq = NULL;
-    act_block *meta = NULL;
-#ifdef __AVX2__
-    if (work) {
-        xq = (int8_t *)work;
-        meta = (act_block *)(xq + M * K);
-        quantize_activations(x, M, K, xq, meta);
-    }
-#else
-    (void)work;
-#endif
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t n = 0; n < N; n++) {
         for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
             int rows = (int)(M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS);
-            dot_tile(fmt, w + n * row_bytes, nblocks, bb, x + m0 * K, xq ? xq + m0 * K : NULL,
-                     meta ? meta + m0 * nblocks : NULL, K, rows, y + m0 * N + n, N);
+            dot_tile(fmt, w + n * row_bytes, nblocks, bb, x + m0 * K, K, rows, y + m0 * N + n, N);
+        }
+    }
+    return 0;
+}
+
+/* ---- Weight rows interleaved by 8: the 8-bit GEMM for any number of activation rows ----
+   packed_weights.interleave_rows lays the weight out in groups of 8 rows (GROUP_ROWS); for
+   each group, each block of 32 columns takes 8 x the format's block bytes:
+     Q4_0: the 8 rows' fp16 scales (16 bytes), then 4 x 32 bytes of quants;
+     Q4_1: the 8 scales, the 8 fp16 minimums (16 bytes), then 4 x 32 bytes of quants;
+     Q8_0: the 8 scales, then 8 x 32 bytes of quants.
+   In a 32-byte run of quants, bytes 4r..4r+3 belong to row r: for Q4 run i holds the
+   file's bytes 4i..4i+3 of each row's block (low nibbles: columns 4i..4i+3, high nibbles:
+   columns 16+4i..16+4i+3); for Q8_0 run g holds columns 4g..4g+3. So one `maddubs` of a
+   run against 4 activation bytes broadcast to every lane gives partial sums of 8
+   different output features at once: no horizontal sums, and a block widened once serves
+   GEMM_ROWS activation rows (llama.cpp's repacked Q4_0x8 layout is the same idea).
+   Each output is computed from its own activation row and weight row in a fixed order
+   (integer sums within a block, then one FMA a block), whatever the other rows of the
+   call: a row's result does not depend on the batch it is in. */
+#define GROUP_ROWS 8
+#define GEMM_ROWS 4
+
+static void quantize_activations_parallel(const float *x, int64_t M, int64_t K, int levels, int8_t *xq,
+                                          act_block *meta, int threads) {
+    int64_t chunk = 16;  /* rows a task */
+    #pragma omp parallel for schedule(static) num_threads(threads) if (M * K > 65536)
+    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+        int64_t rows = M - m0 < chunk ? M - m0 : chunk;
+        quantize_activations(x + m0 * K, rows, K, levels, xq + m0 * levels * K, meta + m0 * levels * (K / QK));
+    }
+}
+
+#if defined(__AVX2__) && defined(__F16C__)
+static inline __m256i broadcast4(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
+
+/* Pins `v` to a register at this point. gcc otherwise reassociates a row's chain of int16
+   additions into all the products first, spilling them to the stack (2x slower). */
+#define IN_REGISTER(v) __asm__("" : "+x"(v))
+
+/* An interleaved block's 8 rows' scales (columns 0-15 and 16-31) and minimums. */
+static inline void group_fields(int fmt, const uint8_t *blk, __m256 *d_lo, __m256 *d_hi, __m256 *m) {
+    switch (fmt) {
+        case FMT_Q4_F32: *d_lo = *d_hi = _mm256_loadu_ps((const float *)blk); *m = _mm256_loadu_ps((const float *)(blk + 32)); return;
+        case FMT_Q8_F32:
+            *d_lo = _mm256_loadu_ps((const float *)blk);
+            *d_hi = _mm256_loadu_ps((const float *)(blk + 32));
+            *m = _mm256_loadu_ps((const float *)(blk + 64));
+            return;
+        default:
+            *d_lo = *d_hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+            *m = fmt == FMT_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)))
+               : fmt == FMT_Q4_0 ? _mm256_mul_ps(*d_lo, _mm256_set1_ps(-8.0f)) : _mm256_setzero_ps();
+    }
+}
+
+/* y[r * ldy + 0..7] = the group's 8 rows . quantized activation row r, for `rows` (<=
+   GEMM_ROWS) rows, or with two levels the sum of rows 2r and 2r+1; `rows` and `levels`
+   are constants at each call site, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void group_rows_q8(int fmt, const uint8_t *group, int64_t nblocks,
+                                                                const int8_t *xq, const act_block *meta,
+                                                                int64_t K, int rows, int levels, float *y,
+                                                                int64_t ldy) {
+    const int64_t gbb = GROUP_ROWS * block_bytes(fmt);
+    const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(0x0f);
+    __m256 acc[GEMM_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nblocks; b++) {
+        const uint8_t *blk = group + b * gbb, *qs = blk + GROUP_ROWS * fields_bytes(fmt);
+        __m256 d, d_hi, m;
+        group_fields(fmt, blk, &d, &d_hi, &m);
+        if (is_q8(fmt)) {
+            for (int r = 0; r < rows; r++) {
+                const int8_t *xb = xq + r * K + b * QK;
+                const act_block *a = meta + r * nblocks + b;
+                __m256i sum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};  /* columns 0-15, 16-31 */
+                for (int g = 0; g < 8; g++) {  /* |w| x (x * sign w): u8 x s8 pairs stay within int16 */
+                    __m256i w = _mm256_loadu_si256((const __m256i *)(qs + 32 * g));
+                    __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(broadcast4(xb + 4 * g), w));
+                    sum[g / 4] = _mm256_add_epi32(sum[g / 4], _mm256_madd_epi16(pairs, ones));
+                }
+                __m256 scale = _mm256_set1_ps(a->scale);
+                if (fmt == FMT_Q8_0) {  /* one scale a block, no minimum */
+                    acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, scale), _mm256_cvtepi32_ps(_mm256_add_epi32(sum[0], sum[1])),
+                                             acc[r]);
+                    continue;
+                }
+                acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, scale), _mm256_cvtepi32_ps(sum[0]), acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d_hi, scale), _mm256_cvtepi32_ps(sum[1]), acc[r]);
+                acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a->sum), acc[r]);
+            }
+            continue;
+        }
+        /* Each run is widened once into its low and high nibbles and taken by every row in
+           turn; the rows' int16 sums of 8 products of u8 <= 15 and |s8| <= 127 pairs stay
+           <= 30480. (Widening all 8 runs first would spill registers.) */
+        __m256i s[GEMM_ROWS];
+        for (int r = 0; r < rows; r++) s[r] = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * i));
+            __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+            for (int r = 0; r < rows; r++) {
+                const int8_t *xb = xq + r * K + b * QK + 4 * i;
+                s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(lo, broadcast4(xb)));
+                s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(hi, broadcast4(xb + 16)));
+                IN_REGISTER(s[r]);
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            const act_block *a = meta + r * nblocks + b;
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a->scale)),
+                                     _mm256_cvtepi32_ps(_mm256_madd_epi16(s[r], ones)), acc[r]);
+            acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a->sum), acc[r]);  /* minimum (Q4_0: -8 d) x sum of x */
+        }
+    }
+    if (levels == 2)
+        for (int r = 0; r < rows; r += 2) _mm256_storeu_ps(y + r / 2 * ldy, _mm256_add_ps(acc[r], acc[r + 1]));
+    else
+        for (int r = 0; r < rows; r++) _mm256_storeu_ps(y + r * ldy, acc[r]);
+}
+#else
+/* Weight (lane, column) of an interleaved block, as its integer quant. */
+static inline int interleaved_quant(int fmt, const uint8_t *qs, int lane, int col) {
+    if (is_q8(fmt)) return ((const int8_t *)qs)[32 * (col / 4) + 4 * lane + col % 4];
+    int i = (col % 16) / 4, byte = qs[32 * i + 4 * lane + col % 4];
+    return col < 16 ? (byte & 0x0f) : (byte >> 4);
+}
+
+/* The scales and minimum of row `lane` of an interleaved block: each field is 8 values,
+   one a row, of the row layout's width (fp16 or f32). */
+static inline void lane_fields(int fmt, const uint8_t *blk, int lane, float *d_lo, float *d_hi, float *m) {
+    uint8_t fields[12];
+    int width = fmt == FMT_Q4_F32 || fmt == FMT_Q8_F32 ? 4 : 2;
+    for (int f = 0; f < fields_bytes(fmt) / width; f++) memcpy(fields + f * width, blk + f * GROUP_ROWS * width + lane * width, width);
+    block_fields(fmt, fields, d_lo, d_hi, m);
+}
+
+static void group_rows_portable(int fmt, const uint8_t *group, int64_t nblocks, const int8_t *xq,
+                                const act_block *meta, int64_t K, int rows, int levels, float *y, int64_t ldy) {
+    const int64_t gbb = GROUP_ROWS * block_bytes(fmt);
+    for (int r = 0; r < rows; r++) {
+        float acc[GROUP_ROWS] = {0};
+        for (int64_t b = 0; b < nblocks; b++) {
+            const uint8_t *blk = group + b * gbb, *qs = blk + GROUP_ROWS * fields_bytes(fmt);
+            const act_block *a = meta + r * nblocks + b;
+            for (int lane = 0; lane < GROUP_ROWS; lane++) {
+                int sum[2] = {0, 0};  /* columns 0-15, 16-31 */
+                for (int col = 0; col < QK; col++)
+                    sum[col / 16] += interleaved_quant(fmt, qs, lane, col) * xq[r * K + b * QK + col];
+                float d_lo, d_hi, m;
+                lane_fields(fmt, blk, lane, &d_lo, &d_hi, &m);
+                acc[lane] += d_lo * a->scale * (float)sum[0] + d_hi * a->scale * (float)sum[1] + m * a->sum;
+            }
+        }
+        float *out = y + r / levels * ldy;
+        for (int lane = 0; lane < GROUP_ROWS; lane++) out[lane] = r % levels ? out[lane] + acc[lane] : acc[lane];
+    }
+}
+#endif
+
+static void group_tile(int fmt, const uint8_t *group, int64_t nblocks, const int8_t *xq, const act_block *meta,
+                       int64_t K, int rows, int levels, float *y, int64_t ldy) {
+#if defined(__AVX2__) && defined(__F16C__)
+    /* format, row count and levels constant in each case: one specialized loop each (two
+       levels come in whole pairs of rows) */
+#define GROUP_CASE(F, R, L) case R: group_rows_q8(F, group, nblocks, xq, meta, K, R, L, y, ldy); return;
+#define GROUP_FORMAT(F) case F: \
+        if (levels == 2) { switch (rows) { GROUP_CASE(F, 2, 2) default: GROUP_CASE(F, 4, 2) } } \
+        switch (rows) { GROUP_CASE(F, 1, 1) GROUP_CASE(F, 2, 1) GROUP_CASE(F, 3, 1) default: GROUP_CASE(F, 4, 1) }
+    switch (fmt) { GROUP_FORMAT(FMT_Q4_0) GROUP_FORMAT(FMT_Q4_1) GROUP_FORMAT(FMT_Q4_F32) GROUP_FORMAT(FMT_Q8_F32)
+                   default: GROUP_FORMAT(FMT_Q8_0) }
+#undef GROUP_FORMAT
+#undef GROUP_CASE
+#else
+    group_rows_portable(fmt, group, nblocks, xq, meta, K, rows, levels, y, ldy);
+#endif
+}
+
+/* Bytes of `work` interleaved_matmul needs: M * levels * K int8 values and as many / 32
+   act_blocks. */
+int64_t interleaved_matmul_work_bytes(int64_t M, int64_t K, int levels) {
+    return M * levels * (K + (K / QK) * (int64_t)sizeof(act_block));
+}
+
+/* y (M x N) = x (M x K, rounded to 8 bits a block, in `levels` (1 or 2) levels, into
+   `work`) times the transpose of the interleaved weight `w` (N rows, a multiple of
+   GROUP_ROWS). Two levels cost about twice the integer work of one and are within ~1e-4
+   of the float product; one is llama.cpp's rounding (~0.5 %). Activation rows are taken a panel at a time, a
+   panel's 8-bit rows fitting PANEL_BYTES, so they stay in the L1 cache while every group of
+   weight rows passes. Returns 0, or -1 for an unknown format or a shape the layout does
+   not take. */
+#define PANEL_BYTES 16384
+int interleaved_matmul(int fmt, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M, float *y,
+                       void *work, int levels, int threads) {
+    int64_t bb = block_bytes(fmt);
+    if (bb < 0 || K % QK || N % GROUP_ROWS || (levels != 1 && levels != 2)) return -1;
+    int64_t nblocks = K / QK, groups = N / GROUP_ROWS, group_bytes = GROUP_ROWS * nblocks * bb;
+    int8_t *xq = (int8_t *)work;
+    act_block *meta = (act_block *)(xq + M * levels * K);
+    quantize_activations_parallel(x, M, K, levels, xq, meta, threads);
+    M *= levels;  /* from here on, rows of quantized activations */
+    int64_t panel = PANEL_BYTES / K / GEMM_ROWS * GEMM_ROWS;
+    if (panel < GEMM_ROWS) panel = GEMM_ROWS;
+    int64_t panels = (M + panel - 1) / panel;
+    #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
+    for (int64_t g = 0; g < groups; g++) {
+        for (int64_t p = 0; p < panels; p++) {
+            int64_t end = (p + 1) * panel < M ? (p + 1) * panel : M;
+            for (int64_t m0 = p * panel; m0 < end; m0 += GEMM_ROWS) {
+                int rows = (int)(end - m0 < GEMM_ROWS ? end - m0 : GEMM_ROWS);
+                group_tile(fmt, w + g * group_bytes, nblocks, xq + m0 * K, meta + m0 * nblocks, K, rows, levels,
+                           y + m0 / levels * N + g * GROUP_ROWS, N);
+            }
         }
     }
     return 0;

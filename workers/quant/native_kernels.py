@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch  # loaded first: the kernels then share torch's OpenMP runtime (one thread pool)
@@ -36,9 +37,13 @@ class QuantKernels:
     def __init__(self, library: ctypes.CDLL):
         self._matmul = library.quantized_matmul
         self._matmul.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-        self._work_bytes = library.quantized_matmul_work_bytes
-        self._work_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64]
+                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+        self._interleaved = library.interleaved_matmul
+        self._interleaved.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                      ctypes.c_int]
+        self._work_bytes = library.interleaved_matmul_work_bytes
+        self._work_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
         self._work_bytes.restype = ctypes.c_int64
         self._dequantize = library.dequantize_rows
         self._dequantize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
@@ -50,18 +55,29 @@ class QuantKernels:
     def __reduce__(self):
         return (_loaded_kernels, ())  # a pickled model finds (or builds) the library where it lands
 
-    def matmul(self, fmt: int, blocks: torch.Tensor, cols: int, x: torch.Tensor,
-               int8_activations: bool = False) -> torch.Tensor:
-        """x (M x cols, float32, contiguous) times the transpose of the block rows.
-        `int8_activations`: x rounded to 8 bits a block first (llama.cpp's dot products:
-        about 2x faster for one row on AVX2, relative error ~0.5 %; without AVX2 the float
-        product runs)."""
+    def matmul(self, fmt: int, blocks: torch.Tensor, cols: int, x: torch.Tensor) -> torch.Tensor:
+        """x (M x cols, float32, contiguous) times the transpose of the block rows, in
+        float32 (the dequantized product up to summation order)."""
         out = torch.empty(x.shape[0], blocks.shape[0], dtype=torch.float32)
-        work = torch.empty(self._work_bytes(x.shape[0], cols), dtype=torch.uint8) if int8_activations else None
         status = self._matmul(fmt, blocks.data_ptr(), blocks.shape[0], cols, x.data_ptr(), x.shape[0],
-                              out.data_ptr(), None if work is None else work.data_ptr(), torch.get_num_threads())
+                              out.data_ptr(), torch.get_num_threads())
         if status:
             raise ValueError(f"quantized_matmul: format {fmt} with {cols} columns is not supported")
+        return out
+
+    def interleaved_matmul(self, fmt: int, interleaved: torch.Tensor, rows: int, cols: int, x: torch.Tensor,
+                           levels: int = 1) -> torch.Tensor:
+        """x (M x cols, float32, contiguous), rounded to 8 bits a block, times the transpose
+        of `rows` weight rows laid out by packed_weights.interleave_rows. One level: the
+        activations' rounding (relative error ~0.5 %, llama.cpp's); two (x rounded, then
+        what that left out): ~1e-4, for about twice the integer work."""
+        out = torch.empty(x.shape[0], rows, dtype=torch.float32)
+        work = _work_buffer(self._work_bytes(x.shape[0], cols, levels))
+        status = self._interleaved(fmt, interleaved.data_ptr(), rows, cols, x.data_ptr(), x.shape[0],
+                                   out.data_ptr(), work.data_ptr(), levels, torch.get_num_threads())
+        if status:
+            raise ValueError(f"interleaved_matmul: format {fmt} with {rows} x {cols}, {levels} levels, "
+                             "is not supported")
         return out
 
     def dequantize(self, fmt: int, blocks: torch.Tensor, cols: int, out: torch.Tensor,
@@ -73,6 +89,16 @@ class QuantKernels:
         if status:
             raise ValueError(f"dequantize_rows: format {fmt} with {cols} columns is not supported")
         return out
+
+
+_work = threading.local()  # one scratch buffer a thread, grown as needed: no allocation a call
+
+
+def _work_buffer(size: int) -> torch.Tensor:
+    buffer = getattr(_work, "buffer", None)
+    if buffer is None or buffer.numel() < size:
+        buffer = _work.buffer = torch.empty(max(size, 1 << 16), dtype=torch.uint8)
+    return buffer
 
 
 @functools.cache

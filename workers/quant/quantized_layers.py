@@ -1,24 +1,22 @@
 """Linear and embedding layers whose weight stays in quantized blocks (packed_weights.py).
 
-A linear layer picks its product by the number of input rows, as measured on one pass
-over the default model's 212 matrices (2-core AMD EPYC Zen 3, AVX2, float32; against the
-float model's oneDNN-packed product, 2026-11-26):
-- one row (a decode step of one sequence), unless the model's config says
-  `quantized_matvec: float32`: the activations are rounded to 8 bits a block and
-  multiplied as integers (cpu_kernels.c, llama.cpp's way): 6.3 ms, against 11.8 ms
-  widening the weights to float and ~27 ms for the float model (the output head is left
-  exact, workers/model/gguf_packing.py says why);
-- up to KERNEL_MAX_ROWS rows: each weight block is widened to float32 in registers and
-  multiplied with float32 activations (the dequantized product up to summation order):
-  14 / 28 / 58 ms at 2 / 8 / 16 rows against 37 / 47 / 62 ms;
-- more rows (prefill, large batches): the weight is dequantized a slice at a time into a
-  reused buffer for torch's float matmul: 101 / 160 / 521 ms at 32 / 64 / 256 rows against
-  101 / 155 / 525 ms alone, but slower inside a running engine, where MKL re-packs each
-  fresh slice and the float model's GEMM was packed once (docs/BENCHMARKS.md). A blocked
-  kernel of our own did not beat the slices (4x2 tiles: 229 against 187 ms at 64 rows).
-So the numbers of a sequence alone in a step differ from those it gets beside others in
-the last bits (as they already do between batch shapes). The result comes back in the
-input's dtype.
+A linear layer computes in one of three ways, chosen by the model's config
+(`quantized_activations`), as measured on one pass over the default model's 210
+non-head matrices at 1 / 16 / 32 / 64 / 256 rows (2-core AMD EPYC Zen 3, AVX2, float32,
+2026-11-26, one run; the float model's oneDNN-packed product: 30.2 / 47.3 / 69.8 / 124.8 /
+371 ms):
+- `int8x2` (the default) and `int8`: the weight rows are interleaved by 8 and the
+  activations rounded to 8 bits a block, multiplied as integers (cpu_kernels.c
+  `interleaved_matmul`, llama.cpp's way). `int8` rounds once (~0.5 % relative error,
+  llama.cpp's numbers): 5.3 / 15.1 / 31.7 / 56.2 / 192 ms. `int8x2` also multiplies what
+  the rounding left out, rounded again (~2e-5, float-like: the default model's greedy text
+  stays the float copy's where one rounding changes its first answer): 5.4 / 26.6 / 60.8 /
+  100.6 / 376 ms. A row's result does not depend on the other rows of the step.
+- `float32` (and always the output head, whose blocks the embedding shares in the
+  file's layout): each block widened to float32 for up to KERNEL_MAX_ROWS rows; beyond,
+  the weight dequantized a slice at a time into a reused buffer for torch's float matmul:
+  15.6 / 39.9 / 90.2 / 123.9 / 436 ms, the dequantized float product up to summation order.
+The result comes back in the input's dtype.
 """
 
 from __future__ import annotations
@@ -29,9 +27,15 @@ import torch
 from torch import nn
 
 from workers.quant.native_kernels import QuantKernels
-from workers.quant.packed_weights import PackedWeight
+from workers.quant.packed_weights import (
+    GROUP_ROWS,
+    PackedWeight,
+    deinterleave_rows,
+    interleave_rows,
+)
 
 KERNEL_MAX_ROWS = 16
+ACTIVATION_LEVELS = {"int8": 1, "int8x2": 2}  # quantized_activations -> levels of 8-bit rounding; float32: none
 SCRATCH_FLOATS = 1 << 20  # 4 MiB: a slice of dequantized weight stays in the CPU's caches
 
 _scratch = threading.local()  # one buffer a thread: steps on different threads never share one
@@ -50,25 +54,38 @@ class QuantizedLinear(nn.Module):
     the output embedding); computing with it fails loudly."""
 
     def __init__(self, packed: PackedWeight, kernels: QuantKernels, bias: torch.Tensor | None, dtype: torch.dtype,
-                 int8_single_row: bool = True):
+                 activations: str = "int8x2"):
         super().__init__()
         self.fmt, self.format_name, self.kernels = packed.fmt, packed.format_name, kernels
-        self.int8_single_row = int8_single_row  # one-row products with 8-bit activations
+        self.activations = activations
+        self.levels = ACTIVATION_LEVELS.get(activations, 0)  # 0: float32 activations, the file's rows
         self.in_features, self.out_features = packed.cols, packed.rows
-        self.register_buffer("blocks", packed.blocks)  # counted and moved with the model's buffers
+        blocks = packed.blocks
+        if self.levels:  # zero rows up to whole groups of 8 (their outputs are dropped)
+            padding = blocks.new_zeros(-packed.rows % GROUP_ROWS, blocks.shape[1])
+            blocks = interleave_rows(torch.cat([blocks, padding]), packed.fmt)
+        self.register_buffer("blocks", blocks)  # counted and moved with the model's buffers
         self.bias = bias
         self.weight = torch.empty(packed.rows, packed.cols, dtype=dtype, device="meta")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
-        if flat.shape[0] <= KERNEL_MAX_ROWS:
-            out = self.kernels.matmul(self.fmt, self.blocks, self.in_features, flat,
-                                      int8_activations=self.int8_single_row and flat.shape[0] == 1)
+        flat = x.reshape(-1, self.in_features)
+        if flat.dtype != torch.float32 or not flat.is_contiguous():  # (checked: a no-op call costs per layer)
+            flat = flat.to(torch.float32).contiguous()
+        if self.levels:
+            out = self.kernels.interleaved_matmul(self.fmt, self.blocks, self.blocks.shape[0] * GROUP_ROWS,
+                                                  self.in_features, flat, self.levels)
+            if out.shape[1] != self.out_features:
+                out = out[:, :self.out_features].contiguous()
+        elif flat.shape[0] <= KERNEL_MAX_ROWS:
+            out = self.kernels.matmul(self.fmt, self.blocks, self.in_features, flat)
         else:
             out = self._dequantized_matmul(flat)
         if self.bias is not None:
             out += self.bias
-        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        if x.dtype != torch.float32:
+            out = out.to(x.dtype)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
     def _dequantized_matmul(self, flat: torch.Tensor) -> torch.Tensor:
         # Computed transposed (weight slice times flat's transpose) so each slice's product
@@ -85,14 +102,20 @@ class QuantizedLinear(nn.Module):
             torch.mm(weight, flat.t(), out=out_t[first:first + count])
         return out_t.t().contiguous()
 
+    def row_blocks(self) -> torch.Tensor:
+        """The weight's blocks in the file's layout, a row of blocks per output feature."""
+        if not self.levels:
+            return self.blocks
+        return deinterleave_rows(self.blocks, self.fmt, self.in_features)[:self.out_features]
+
     def dequantized(self) -> torch.Tensor:
         """The whole weight as float32 (tests, and checking a layer against its float twin)."""
         out = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
-        return self.kernels.dequantize(self.fmt, self.blocks, self.in_features, out)
+        return self.kernels.dequantize(self.fmt, self.row_blocks().contiguous(), self.in_features, out)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"format={self.format_name}, bias={self.bias is not None}")
+                f"format={self.format_name}, activations={self.activations}, bias={self.bias is not None}")
 
 
 class QuantizedEmbedding(nn.Module):

@@ -41,7 +41,7 @@ def load_part(config: ModelConfig, rank: int) -> tuple[LoadedModel, StageLayers 
     if layout.world == 1:
         return load_model(config.source, config.device, config.dtype, cache_dir, attn_implementation=attn,
                           pack_cpu_weights=config.pack_cpu_weights, fuse_projections=config.fuse_projections,
-                          quantization=config.quantization, quantized_matvec=config.quantized_matvec), None
+                          quantization=config.quantization, quantized_activations=config.quantized_activations), None
     path = prepare_model_dir(config.source, cache_dir)
     hf_config = AutoConfig.from_pretrained(path)
     stage = None

@@ -1,6 +1,7 @@
 """GGUF blocks kept quantized (workers/quant/): the C kernels against gguf's own
-dequantization, the layers' three product paths, and whole tiny models swapped into their
-blocks giving their float twin's greedy tokens through the engine."""
+dequantization (and their portable build against the native one), the layers' product
+paths, and whole tiny models swapped into their blocks giving their float twin's greedy
+tokens through the engine."""
 
 from __future__ import annotations
 
@@ -18,12 +19,40 @@ from workers.contract.sampling_params import SamplingParams
 from workers.model.fused_projections import fuse_sibling_projections
 from workers.model.gguf_packing import keep_gguf_weights_packed
 from workers.quant import quantized_layers
-from workers.quant.native_kernels import kernels
-from workers.quant.packed_weights import PackedWeight, read_gguf_weights
+from workers.quant.k_quants import convert_k_quant
+from workers.quant.native_kernels import QuantKernels, kernels
+from workers.quant.packed_weights import (
+    PackedWeight,
+    deinterleave_rows,
+    interleave_rows,
+    read_gguf_weights,
+)
 from workers.quant.quantized_layers import QuantizedEmbedding, QuantizedLinear
 
 Q = gguf.GGMLQuantizationType
 FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+K_QUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
+
+
+def _random_k_quant(fmt, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """`rows` x `cols` weights as random K-quant super-blocks (gguf-py cannot quantize to
+    K-quants; any bytes are valid ones, given finite fp16 super-scales, sized here for
+    weights of about the tiny models' spread)."""
+    supers = rows * cols // 256
+    blocks = rng.integers(0, 256, (supers, gguf.GGML_QUANT_SIZES[fmt][1]), dtype=np.uint8)
+    if fmt == Q.Q6_K:  # d at the end: w = d * scale (int8) * (q - 32)
+        blocks[:, 208:210] = rng.uniform(2e-5, 1e-4, (supers, 1)).astype(np.float16).view(np.uint8)
+    else:  # d and dmin first: w = d * scale * q - dmin * minimum (6-bit scales)
+        blocks[:, 0:4] = rng.uniform(2e-4, 2e-3, (supers, 2)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def _file_blocks(weight: np.ndarray, fmt, rng: np.random.Generator) -> np.ndarray:
+    """The bytes a GGUF file holds for `weight` in `fmt`: quantized by gguf-py, or, for a
+    K-quant, random blocks of its shape (the model then takes their dequantized values)."""
+    if fmt in K_QUANTS:
+        return _random_k_quant(fmt, *weight.shape, rng)
+    return gguf.quants.quantize(weight, fmt)
 
 pytestmark = pytest.mark.skipif(kernels() is None, reason="no C compiler to build the quantized kernels")
 
@@ -53,7 +82,7 @@ def _quantized_llama(path, fmt: gguf.GGMLQuantizationType, seed: int = 0, embedd
     """Write `path` (a GGUF of the tiny Llama's weights in `fmt`; the embedding in
     `embedding_fmt`, default `fmt`) and return the float twin, fused as the loader fuses."""
     model = build_tiny_llama(vocab_size=96, seed=seed, **overrides)
-    config = model.config
+    config, rng = model.config, np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), "llama")
     tensors = [("token_embd.weight", model.model.embed_tokens, None, embedding_fmt or fmt)]
     if not config.tie_word_embeddings:
@@ -65,7 +94,7 @@ def _quantized_llama(path, fmt: gguf.GGMLQuantizationType, seed: int = 0, embedd
     for name, module, heads, tensor_fmt in tensors:
         weight = module.weight.detach().float().numpy()
         stored = _llama_cpp_permute(weight, heads) if heads else weight
-        blocks = gguf.quants.quantize(stored, tensor_fmt)
+        blocks = _file_blocks(stored, tensor_fmt, rng)
         dequantized = gguf.quants.dequantize(blocks, tensor_fmt).reshape(stored.shape)
         if heads:
             dequantized = _llama_cpp_permute_back(dequantized, heads)
@@ -94,6 +123,14 @@ def _packed(fmt, rows: int, cols: int, seed: int = 0) -> tuple[PackedWeight, tor
     return PackedWeight(int(fmt), torch.from_numpy(blocks.copy()), cols), torch.from_numpy(reference)
 
 
+def _packed_k_quant(fmt, rows: int, cols: int, seed: int = 0) -> tuple[PackedWeight, torch.Tensor]:
+    """Random K-quant weights rewritten for the kernels, and gguf's dequantization of them."""
+    raw = _random_k_quant(fmt, rows, cols, np.random.default_rng(seed))
+    reference = gguf.quants.dequantize(raw, fmt).reshape(rows, cols).astype(np.float32)
+    converted, blocks = convert_k_quant(int(fmt), raw)
+    return PackedWeight(converted, torch.from_numpy(blocks), cols), torch.from_numpy(reference)
+
+
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm())
 
@@ -111,25 +148,97 @@ def test_dequantized_rows_are_ggufs_own(fmt):
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("rows", [1, 2, 7, 9, 40, 41, 130])
 def test_products_equal_the_dequantized_float_product(fmt, rows):
-    """Every path: exact widening (float32 sums, differing in order only), the dequantized
-    slices (more than KERNEL_MAX_ROWS rows), and one row with or without 8-bit activations."""
+    """Both layouts: the file's rows with float32 activations (widening up to
+    KERNEL_MAX_ROWS rows, dequantized slices beyond) equal the dequantized product; the
+    interleaved rows with 8-bit activations are within their rounding of it, one level or
+    two (300 outputs: the last group of 8 is padded)."""
     packed, reference = _packed(fmt, 300, 160, seed=rows)
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
     want = x @ reference.t()
-    exact = QuantizedLinear(packed, kernels(), None, torch.float32, int8_single_row=False)
+    exact = QuantizedLinear(packed, kernels(), None, torch.float32, activations="float32")
     torch.testing.assert_close(exact(x), want, rtol=1e-4, atol=1e-4)
-    rounded = QuantizedLinear(packed, kernels(), None, torch.float32, int8_single_row=True)(x)
-    if rows == 1:
-        assert 0 < _relative_error(rounded, want) < 0.02  # the activations' 8-bit rounding, and no more
-    else:
-        torch.testing.assert_close(rounded, want, rtol=1e-4, atol=1e-4)
+    rounded = QuantizedLinear(packed, kernels(), None, torch.float32, activations="int8")(x)
+    assert rounded.shape == want.shape
+    assert 2e-3 < _relative_error(rounded, want) < 0.02  # the activations' 8-bit rounding, and no more
+    twice = QuantizedLinear(packed, kernels(), None, torch.float32, activations="int8x2")(x)
+    assert 0 < _relative_error(twice, want) < 1e-4
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("activations", ["int8", "int8x2"])
+def test_a_rows_8_bit_product_does_not_depend_on_its_batch(fmt, activations):
+    """Each row gets the same bits alone, first or last in a batch of any size (the
+    panels and the 4-row tiles of interleaved_matmul cut the batch differently)."""
+    packed, _ = _packed(fmt, 64, 1024)
+    layer = QuantizedLinear(packed, kernels(), None, torch.float32, activations)
+    x = torch.randn(70, 1024, generator=torch.Generator().manual_seed(1))
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(70)])
+    assert torch.equal(layer(x), alone)
+    assert torch.equal(layer(x[3:9]), alone[3:9])
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_interleaved_rows_are_the_same_bytes_moved(fmt):
+    packed, _ = _packed(fmt, 24, 96)
+    interleaved = interleave_rows(packed.blocks, packed.fmt)
+    assert interleaved.shape == (3, packed.blocks.shape[1] * 8)
+    assert torch.equal(interleaved.flatten().sort().values, packed.blocks.flatten().sort().values)
+    assert torch.equal(deinterleave_rows(interleaved, packed.fmt, 96), packed.blocks)
+    layer = QuantizedLinear(PackedWeight(packed.fmt, packed.blocks[:21], 96), kernels(), None, torch.float32)
+    assert torch.equal(layer.row_blocks(), packed.blocks[:21])  # the padding rows dropped
+
+
+def _portable_kernels(tmp_path) -> QuantKernels:
+    """cpu_kernels.c built for a plain x86-64 (or the host's own arch elsewhere): the loops
+    a CPU without AVX2 runs."""
+    import ctypes
+    import platform
+    import subprocess
+
+    from workers.quant import native_kernels
+
+    arch = ["-march=x86-64"] if platform.machine() == "x86_64" else []
+    target = tmp_path / "portable.so"
+    subprocess.run(["gcc", "-O2", "-fopenmp", "-shared", "-fPIC", *arch, "-o", str(target),
+                    str(native_kernels.SOURCE)], check=True, capture_output=True, timeout=120)
+    return QuantKernels(ctypes.CDLL(str(target)))
+
+
+@pytest.mark.parametrize("fmt", FORMATS + K_QUANTS, ids=lambda f: f.name)
+def test_portable_build_computes_what_the_native_one_does(tmp_path, fmt):
+    portable, native = _portable_kernels(tmp_path), kernels()
+    packed, reference = _packed_k_quant(fmt, 48, 256) if fmt in K_QUANTS else _packed(fmt, 48, 256)
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(portable.dequantize(packed.fmt, packed.blocks, 256, torch.empty(48, 256)), reference)
+    torch.testing.assert_close(portable.matmul(packed.fmt, packed.blocks, 256, x), x @ reference.t(),
+                               rtol=1e-4, atol=1e-4)
+    interleaved = interleave_rows(packed.blocks, packed.fmt)
+    for levels in (1, 2):  # the same integers; float sums in another order
+        got = portable.interleaved_matmul(packed.fmt, interleaved, 48, 256, x, levels)
+        assert _relative_error(got, native.interleaved_matmul(packed.fmt, interleaved, 48, 256, x, levels)) < 1e-5
+
+
+@pytest.mark.parametrize("fmt", K_QUANTS, ids=lambda f: f.name)
+def test_k_quants_are_rewritten_exactly(fmt):
+    """Q4_K/Q5_K/Q6_K super-blocks become blocks of 32 with float32 fields that dequantize
+    to gguf's own floats, bit for bit, and multiply like the other formats."""
+    packed, reference = _packed_k_quant(fmt, 40, 512, seed=int(fmt))
+    assert packed.format_name == ("Q4_F32" if fmt == Q.Q4_K else "Q8_F32")
+    assert torch.equal(kernels().dequantize(packed.fmt, packed.blocks, 512, torch.empty(40, 512)), reference)
+    assert torch.equal(deinterleave_rows(interleave_rows(packed.blocks, packed.fmt), packed.fmt, 512), packed.blocks)
+    x = torch.randn(20, 512, generator=torch.Generator().manual_seed(3))
+    want = x @ reference.t()
+    exact = QuantizedLinear(packed, kernels(), None, torch.float32, activations="float32")
+    torch.testing.assert_close(exact(x), want, rtol=1e-4, atol=1e-4)
+    assert 2e-3 < _relative_error(QuantizedLinear(packed, kernels(), None, torch.float32, "int8")(x), want) < 0.02
+    assert _relative_error(QuantizedLinear(packed, kernels(), None, torch.float32, "int8x2")(x), want) < 1e-4
 
 
 def test_slices_of_a_large_layer_cover_every_output(monkeypatch):
     monkeypatch.setattr(quantized_layers, "SCRATCH_FLOATS", 160 * 7)  # 7 rows a slice: 43 slices
     packed, reference = _packed(Q.Q4_1, 300, 160)
     bias = torch.randn(300)
-    layer = QuantizedLinear(packed, kernels(), bias, torch.bfloat16)
+    layer = QuantizedLinear(packed, kernels(), bias, torch.bfloat16, activations="float32")
     x = torch.randn(2, 50, 160, dtype=torch.bfloat16)
     out = layer(x)
     assert out.dtype == torch.bfloat16 and out.shape == (2, 50, 300)
@@ -181,7 +290,7 @@ def test_quantized_model_gives_its_float_twins_greedy_tokens(tmp_path, fmt, tied
     """16 prompts through the engine (its batches mix one-row and many-row steps), float32
     activations, against transformers' greedy decoding of the dequantized twin."""
     twin, model = _twin_pair(tmp_path / "m.gguf", fmt, tie_word_embeddings=tied)
-    replaced = keep_gguf_weights_packed(model, tmp_path / "m.gguf", int8_single_row=False)
+    replaced = keep_gguf_weights_packed(model, tmp_path / "m.gguf", activations="float32")
     assert replaced == {fmt.name: 10}  # per layer: q/k/v, gate/up, o, down; the embedding and the head
     assert isinstance(model.lm_head, QuantizedLinear) and isinstance(model.model.embed_tokens, QuantizedEmbedding)
     if tied:
@@ -189,6 +298,20 @@ def test_quantized_model_gives_its_float_twins_greedy_tokens(tmp_path, fmt, tied
     assert not any(p.dim() > 1 for p in model.parameters())  # no float matrix left
     got = _engine_greedy(model)
     assert got == [_hf_greedy(twin, prompt) for prompt in PROMPTS]
+
+
+@pytest.mark.parametrize("fmt", K_QUANTS, ids=lambda f: f.name)
+def test_k_quant_model_gives_its_float_twins_greedy_tokens(tmp_path, fmt):
+    """A tiny Llama (widths of whole 256-weight super-blocks) from a K-quant file, the
+    embedding in Q6_K as Q4_K_M files have it: every layer kept quantized, the twin's greedy
+    tokens through the engine."""
+    twin, model = _twin_pair(tmp_path / "m.gguf", fmt, embedding_fmt=Q.Q6_K, hidden_size=256,
+                             intermediate_size=512)
+    replaced = keep_gguf_weights_packed(model, tmp_path / "m.gguf", activations="float32")
+    converted = "Q4_F32" if fmt == Q.Q4_K else "Q8_F32"
+    assert replaced == ({converted: 9, "Q8_F32": 1} if converted == "Q4_F32" else {"Q8_F32": 10})
+    assert not any(p.dim() > 1 for p in model.parameters())
+    assert _engine_greedy(model) == [_hf_greedy(twin, prompt) for prompt in PROMPTS]
 
 
 def test_a_layer_its_blocks_do_not_reproduce_stays_float(tmp_path, caplog):
@@ -202,16 +325,18 @@ def test_a_layer_its_blocks_do_not_reproduce_stays_float(tmp_path, caplog):
     assert "blk.1.ffn_down.weight" in caplog.text and "stay in float" in caplog.text
 
 
-def test_int8_single_row_steps_stay_close_to_the_float_twin(tmp_path):
-    """The default one-row path rounds activations: logits within a few percent of the twin's."""
+@pytest.mark.parametrize("activations, bound", [("int8x2", 1e-3), ("int8", 0.03)])
+def test_8_bit_activations_stay_close_to_the_float_twin(tmp_path, activations, bound):
+    """Rounded activations: logits within their rounding of the twin's (the default, two
+    levels, float-like)."""
     twin, model = _twin_pair(tmp_path / "m.gguf", Q.Q4_1)
-    keep_gguf_weights_packed(model, tmp_path / "m.gguf")
-    assert model.model.layers[0].mlp.down_proj.int8_single_row
-    assert not model.lm_head.int8_single_row  # the head multiplies exactly: near-tied logits stay put
+    keep_gguf_weights_packed(model, tmp_path / "m.gguf", activations)
+    assert model.model.layers[0].mlp.down_proj.activations == activations
+    assert model.lm_head.activations == "float32"  # the head multiplies exactly
     with torch.inference_mode():
-        want = twin(torch.tensor([[5]])).logits
-        got = model(torch.tensor([[5]])).logits
-    assert 0 < _relative_error(got, want) < 0.03
+        want = twin(torch.tensor([[5, 17, 3, 40]])).logits
+        got = model(torch.tensor([[5, 17, 3, 40]])).logits
+    assert 0 < _relative_error(got, want) < bound
 
 
 def test_lora_wraps_quantized_projections(tmp_path):

@@ -1,0 +1,74 @@
+"""One pass over a GGUF file's matrices through each quantized product, against the float
+model's oneDNN-packed product of the same weights: where workers/quant/quantized_layers.py's
+figures come from.
+
+    python -m tools.bench.quant_kernels [--gguf FILE] [--rows 1 16 32 64 256]
+
+The output head (token_embd / output) is left out: it stays on the exact path. Each figure
+is the best of a few passes, in ms; the machine's noise is ±20 %, so compare within a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from workers.contract.model_config import BUILTIN_DEFAULT_MODEL
+from workers.model.loader import resolve_gguf
+from workers.quant.native_kernels import kernels
+from workers.quant.packed_weights import read_gguf_weights
+from workers.quant.quantized_layers import QuantizedLinear
+
+ACTIVATIONS = ("int8", "int8x2", "float32")
+HEADS = ("token_embd.weight", "output.weight")
+
+
+def best_ms(run, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def measure(gguf: Path, rows: list[int], repeats: int) -> list[dict]:
+    quant = kernels()
+    if quant is None:
+        raise SystemExit("no C compiler: the quantized kernels cannot be built here")
+    weights = [w for name, w in read_gguf_weights(gguf).items() if name not in HEADS]
+    layers = {mode: [QuantizedLinear(w, quant, None, torch.float32, mode) for w in weights] for mode in ACTIVATIONS}
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(layer.dequantized(), None) for layer in layers["float32"]]
+    results = []
+    for count in rows:
+        inputs = {cols: torch.randn(count, cols) for cols in {w.cols for w in weights}}
+        row = {"rows": count, "matrices": len(weights)}
+        for mode, group in layers.items():
+            row[mode] = best_ms(lambda: [layer(inputs[layer.in_features]) for layer in group], repeats)
+        row["onednn_float32"] = best_ms(lambda: [
+            torch.ops.mkldnn._linear_pointwise(inputs[w.cols], packed, None, "none", [], "")
+            for w, packed in zip(weights, onednn)], repeats)
+        results.append(row)
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gguf", type=Path, help="default: the built-in model's file")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 32, 64, 256])
+    parser.add_argument("--repeats", type=int, default=4)
+    args = parser.parse_args(argv)
+    gguf = args.gguf or resolve_gguf(BUILTIN_DEFAULT_MODEL)
+    print(f"{gguf.name}, {torch.get_num_threads()} threads, ms for one pass (best of {args.repeats})")
+    print("| rows | " + " | ".join(ACTIVATIONS) + " | oneDNN float32 |")
+    print("| --- |" + " --- |" * (len(ACTIVATIONS) + 1))
+    for row in measure(gguf, args.rows, args.repeats):
+        cells = [f"{row[mode]:.1f}" for mode in (*ACTIVATIONS, "onednn_float32")]
+        print(f"| {row['rows']} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
