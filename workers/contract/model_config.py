@@ -269,8 +269,8 @@ class ModelConfig(_Strict):
         "org/name@revision: safetensors and configs fetched into huggingface_hub's cache, HF_HUB_CACHE or "
         "HF_HOME; read from the cache alone with HF_HUB_OFFLINE=1; org/name:Q4_K_M: the GGUF file of a GGUF "
         "repository whose name ends with the tag), or " + BUILTIN_DEFAULT_MODEL + ". A GGUF "
-        "file is converted once into a float copy in the model cache (see quantization for its blocks); a GPTQ, AWQ "
-        "(4-bit) or FP8 checkpoint is dequantized once into a float copy (not kept packed)",
+        "file is converted once into a float copy in the model cache; a GPTQ, AWQ (4-bit) or FP8 checkpoint is "
+        "dequantized once into a float copy (see quantization for the weights kept packed)",
     )
     device: Literal["cpu", "cuda"] = Field(
         "cpu", description="where the model runs; cuda needs deployment.ray_actor_options.num_gpus > 0")
@@ -281,9 +281,9 @@ class ModelConfig(_Strict):
         "faster), float32 where a load-time probe finds it faster on this CPU")
     quantization: Literal["auto", "none"] = Field(
         "auto", description="auto: on a CPU, a GGUF file's Q4_0, Q4_1, Q8_0 weights stay in their blocks (Q4_K, Q5_K, "
-        "Q6_K in blocks of 32 with float32 scales) "
-        "and multiply through chatserve's C kernels (built once with the host's gcc; the default model's weights take "
-        "97 MB instead of 540); other formats and devices load as floats. none: the float copy")
+        "Q6_K, and GPTQ/AWQ 4-bit weights with groups of 32n inputs, in blocks of 32 with float32 scales) and multiply "
+        "through chatserve's C kernels (built once with the host's gcc; the default model's weights take 97 MB "
+        "instead of 540); other formats (FP8 included) and devices load as floats. none: the float copy")
     quantized_activations: Literal["int8x2", "int8", "float32"] = Field(
         "int8x2", description="quantization auto, how the quantized linears take their input: int8 rounds it to 8 "
         "bits a block and multiplies as integers, as llama.cpp does (fastest: 2-5x the float copy's products on a "

@@ -1,5 +1,5 @@
 """Swap a float model's layers, loaded from a GGUF file's float conversion, for layers that
-keep the file's quantized blocks (quantized_layers.py).
+keep the file's quantized blocks (packed_swap.py, workers/quant/).
 
 The float model is the skeleton: its config, norms and layer structure come from
 transformers' conversion as before, and each linear or embedding whose GGUF tensor is in
@@ -23,10 +23,9 @@ import torch
 from torch import nn
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
-from workers.model.fused_projections import FusedProjection, ProjectionSlice
+from workers.model.packed_swap import Match, same_weight, swap_in_packed
 from workers.quant.native_kernels import QuantKernels, kernels
 from workers.quant.packed_weights import PackedWeight, read_gguf_weights
-from workers.quant.quantized_layers import QuantizedEmbedding, QuantizedLinear
 
 logger = logging.getLogger(__name__)
 
@@ -47,35 +46,7 @@ def keep_gguf_weights_packed(model: nn.Module, gguf: Path, activations: str = "i
     if quant is None:
         return Counter()
     matched = _matched_weights(model, read_gguf_weights(gguf), quant)
-    replaced: Counter = Counter()
-    head = model.get_output_embeddings()
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            # The output head multiplies exactly: rounding its input moves near-tied logits
-            # (the default model's first answer token to "What is the capital of France?"
-            # is 0.3 % ahead of the next, and 8-bit activations swap them).
-            layer_activations = activations if child is not head else "float32"
-            swap = _replacement(child, matched.get(id(child)), quant, layer_activations)
-            if swap is not None:
-                setattr(parent, name, swap)
-                replaced[swap.format_name] += 1
-    for fused, siblings in _fused_groups(model).items():
-        parts = [matched.get(id(sibling)) for sibling in siblings]
-        if all(part is not None for part in parts) and len({part.fmt for part in parts}) == 1:
-            fused.linear = QuantizedLinear(PackedWeight.stacked(parts), quant, fused.linear.bias,
-                                           fused.linear.weight.dtype, activations)
-            replaced[fused.linear.format_name] += 1
-    return replaced
-
-
-def _fused_groups(model: nn.Module) -> dict[FusedProjection, list[ProjectionSlice]]:
-    """Each fused group and its sibling slices, in the order of their rows."""
-    groups: dict[FusedProjection, list[ProjectionSlice]] = {}
-    for module in model.modules():
-        for child in module.children():
-            if isinstance(child, ProjectionSlice):
-                groups.setdefault(child.fused, []).append(child)
-    return {fused: sorted(slices, key=lambda part: part.index) for fused, slices in groups.items()}
+    return swap_in_packed(model, {key: Match(packed) for key, packed in matched.items()}, quant, activations)
 
 
 def _matched_weights(model: nn.Module, weights: dict[str, PackedWeight], quant: QuantKernels) -> dict[int, PackedWeight]:
@@ -124,23 +95,6 @@ def _reproducing(weight: torch.Tensor, packed: PackedWeight, quant: QuantKernels
     for candidate in [packed] + ([packed.select_rows(loader_order)] if reordered else []):
         dequantized = quant.dequantize(candidate.fmt, candidate.blocks, candidate.cols,
                                        torch.empty(candidate.rows, candidate.cols))
-        if _same_weight(dequantized, weight):
+        if same_weight(dequantized, weight):
             return candidate
     return None
-
-
-def _same_weight(dequantized: torch.Tensor, weight: torch.Tensor) -> bool:
-    expected = weight.detach().to(torch.float32)
-    rounded = dequantized.to(weight.dtype).to(torch.float32)  # the float model's own rounding
-    return bool(torch.equal(rounded, expected))
-
-
-def _replacement(child: nn.Module, packed: PackedWeight | None, quant: QuantKernels,
-                 activations: str) -> nn.Module | None:
-    if packed is None:
-        return None
-    if isinstance(child, nn.Embedding):
-        return QuantizedEmbedding(packed, quant, child.weight.dtype)
-    if type(child) is nn.Linear:
-        return QuantizedLinear(packed, quant, child.bias, child.weight.dtype, activations)
-    return None  # a sibling slice (its fused group is replaced whole)

@@ -31,6 +31,7 @@ from workers.model.cpu_linear import has_native_bf16_matmul, pack_linear_layers
 from workers.model.fused_projections import fuse_sibling_projections
 from workers.model.gguf_packing import keep_gguf_weights_packed
 from workers.model.hub_source import HubId, resolve_hub_gguf, resolve_hub_model
+from workers.model.int4_packing import keep_int4_weights_packed
 from workers.model.model_cache import converted_once
 from workers.model.quantized_checkpoint import (
     dequantized_model_dir,
@@ -90,11 +91,7 @@ def prepare_model_dir(source: str, cache_dir: Path | None = None) -> Path:
     is dequantized once into a float copy (workers/model/quantized_checkpoint.py)."""
     gguf = resolve_gguf(source)
     if gguf is None:
-        hub = HubId.parse(source)
-        path = resolve_hub_model(hub) if hub is not None else Path(source)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model source {source!r} is not a transformers directory (no config.json), "
-                                    "a .gguf file or a Hub id (org/name)")
+        path = checkpoint_dir(source)
         method = quantization_method(path)  # GPTQ/AWQ/FP8: dequantized once into the cache
         return path if method is None else dequantized_model_dir(path, method, cache_dir or default_cache_dir())
     if not gguf.is_file():
@@ -102,6 +99,30 @@ def prepare_model_dir(source: str, cache_dir: Path | None = None) -> Path:
     stat = gguf.stat()
     target = (cache_dir or default_cache_dir()) / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
     return converted_once(target, lambda directory: _convert_gguf(gguf, directory), str(gguf))
+
+
+def checkpoint_dir(source: str) -> Path:
+    """The transformers directory `source` names (a path, or a Hub id's cached snapshot)."""
+    hub = HubId.parse(source)
+    path = resolve_hub_model(hub) if hub is not None else Path(source)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model source {source!r} is not a transformers directory (no config.json), "
+                                "a .gguf file or a Hub id (org/name)")
+    return path
+
+
+def _keep_weights_packed(model, source: str, gguf: Path | None, activations: str) -> None:
+    """Swap in the source's quantized weights (a GGUF file's blocks, a GPTQ or AWQ
+    checkpoint's 4-bit weights) for the float layers they reproduce."""
+    if gguf is not None:
+        kept, origin = keep_gguf_weights_packed(model, gguf, activations=activations), gguf.name
+    else:
+        checkpoint = checkpoint_dir(source)
+        method = quantization_method(checkpoint)
+        if method not in ("gptq", "awq"):
+            return  # plain, or FP8 (float8 weights are not kept packed)
+        kept, origin = keep_int4_weights_packed(model, checkpoint, method, activations), f"{method} {checkpoint}"
+    logger.info("kept quantized from %s: %s", origin, dict(kept) or "no layer (float path)")
 
 
 def _convert_gguf(gguf: Path, target: Path) -> None:
@@ -128,7 +149,7 @@ def load_model(
     quantized_activations: str = "int8x2",
 ) -> LoadedModel:
     """`quantization`: `auto` keeps a GGUF file's Q4_0/Q4_1/Q8_0 (and, rewritten, Q4_K/Q5_K/
-    Q6_K) weights in their blocks on
+    Q6_K) weights, or a GPTQ/AWQ checkpoint's 4-bit weights, in blocks on
     a CPU (workers/quant/), whose products take the activations as `quantized_activations`
     says (int8x2, int8 or float32, workers/quant/quantized_layers.py); `none` runs its float
     conversion. `fuse_projections`:
@@ -153,10 +174,8 @@ def load_model(
         fused = fuse_sibling_projections(loaded.model)
         if fused:
             logger.info("fused %d groups of sibling projections", fused)
-    gguf = resolve_gguf(source)
-    if quantization == "auto" and gguf is not None and device == "cpu":
-        kept = keep_gguf_weights_packed(loaded.model, gguf, activations=quantized_activations)
-        logger.info("kept quantized from %s: %s", gguf.name, dict(kept) or "no layer (float path)")
+    if quantization == "auto" and device == "cpu":
+        _keep_weights_packed(loaded.model, source, resolve_gguf(source), quantized_activations)
     if pack_cpu_weights:
         packed = pack_linear_layers(loaded.model)
         if packed:

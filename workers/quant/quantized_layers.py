@@ -51,10 +51,12 @@ def _scratch_buffer() -> torch.Tensor:
 class QuantizedLinear(nn.Module):
     """Stands where an `nn.Linear` stood. `weight` is a meta tensor of the float shape and
     dtype, for code that reads a layer's shape (the engine reads the vocabulary size off
-    the output embedding); computing with it fails loudly."""
+    the output embedding); computing with it fails loudly. `input_order`: the input
+    columns the packed rows hold, in order (a GPTQ act-order checkpoint's groups made
+    contiguous); the input is gathered into that order first."""
 
     def __init__(self, packed: PackedWeight, kernels: QuantKernels, bias: torch.Tensor | None, dtype: torch.dtype,
-                 activations: str = "int8x2"):
+                 activations: str = "int8x2", input_order: torch.Tensor | None = None):
         super().__init__()
         self.fmt, self.format_name, self.kernels = packed.fmt, packed.format_name, kernels
         self.activations = activations
@@ -65,6 +67,8 @@ class QuantizedLinear(nn.Module):
             padding = blocks.new_zeros(-packed.rows % GROUP_ROWS, blocks.shape[1])
             blocks = interleave_rows(torch.cat([blocks, padding]), packed.fmt)
         self.register_buffer("blocks", blocks)  # counted and moved with the model's buffers
+        self.register_buffer("input_order", input_order)
+        self.reordered = input_order is not None
         self.bias = bias
         self.weight = torch.empty(packed.rows, packed.cols, dtype=dtype, device="meta")
 
@@ -72,6 +76,8 @@ class QuantizedLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         if flat.dtype != torch.float32 or not flat.is_contiguous():  # (checked: a no-op call costs per layer)
             flat = flat.to(torch.float32).contiguous()
+        if self.reordered:
+            flat = flat.index_select(1, self.input_order)
         if self.levels:
             out = self.kernels.interleaved_matmul(self.fmt, self.blocks, self.blocks.shape[0] * GROUP_ROWS,
                                                   self.in_features, flat, self.levels)
@@ -111,7 +117,12 @@ class QuantizedLinear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         """The whole weight as float32 (tests, and checking a layer against its float twin)."""
         out = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
-        return self.kernels.dequantize(self.fmt, self.row_blocks().contiguous(), self.in_features, out)
+        self.kernels.dequantize(self.fmt, self.row_blocks().contiguous(), self.in_features, out)
+        if not self.reordered:
+            return out
+        natural = torch.empty_like(out)
+        natural[:, self.input_order] = out
+        return natural
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -19,6 +19,8 @@ from safetensors.torch import load_file, save_file
 from tests.support.tiny_models import write_tiny_model_dir
 from workers.model import quantized_checkpoint as qc
 from workers.model.loader import load_model, prepare_model_dir
+from workers.quant.native_kernels import kernels
+from workers.quant.quantized_layers import QuantizedLinear
 
 # AutoAWQ's packer: nibble k of each int32 holds column AWQ_PACK_ORDER[k] of its 8.
 AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
@@ -341,7 +343,7 @@ def test_a_quantized_tiny_llama_generates_what_its_float_twin_does(float_dir, tm
     assert converted.keys() == twin.keys()  # packed parts and activation scales gone
     for name, tensor in twin.items():
         assert converted[name].dtype == torch.float32 and torch.equal(converted[name], tensor), name
-    loaded = load_model(str(model_dir), dtype="float32", cache_dir=cache, pack_cpu_weights=False)
+    loaded = load_model(str(model_dir), dtype="float32", cache_dir=cache, pack_cpu_weights=False, quantization="none")
     reference = load_model(str(twin_dir), dtype="float32", cache_dir=cache, pack_cpu_weights=False)
     assert loaded.path == prepared
     assert loaded.model.dtype == torch.float32
@@ -389,3 +391,45 @@ def test_a_large_checkpoint_is_written_as_shards_in_the_configs_dtype(float_dir,
     loaded = load_model(str(target), dtype="float32", pack_cpu_weights=False, fuse_projections=False)
     weight = loaded.model.model.layers[0].self_attn.q_proj.weight
     assert torch.equal(weight, twin["model.layers.0.self_attn.q_proj.weight"].half().float())
+
+
+@pytest.mark.skipif(kernels() is None, reason="no C compiler to build the quantized kernels")
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_gptq_and_awq_weights_stay_packed_on_a_cpu(float_dir, tmp_path, method):
+    """quantization: auto keeps every decoder linear in 4-bit blocks (GPTQ's act-order as an
+    input order, q/k/v and gate/up fused), and the model generates what its float twin does."""
+    model_dir, twin_dir, cache = tmp_path / f"tiny-{method}", tmp_path / "twin", tmp_path / "cache"
+    quantize_model(float_dir, method, model_dir, twin_dir)
+    loaded = load_model(str(model_dir), dtype="float32", cache_dir=cache, pack_cpu_weights=False,
+                        quantized_activations="float32")
+    reference = load_model(str(twin_dir), dtype="float32", cache_dir=cache, pack_cpu_weights=False)
+    layers = [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear)]
+    config = loaded.model.config
+    assert len(layers) == 4 * config.num_hidden_layers  # q/k/v fused, o, gate/up fused, down
+    assert all(layer.reordered == (method == "gptq") for layer in layers)
+    assert all(layer.format_name == "Q4_F32" for layer in layers)
+    assert greedy_tokens(loaded) == greedy_tokens(reference)
+
+
+@pytest.mark.skipif(kernels() is None, reason="no C compiler to build the quantized kernels")
+@pytest.mark.parametrize("group_size, act_order", [(32, False), (64, True), (128, True), (-1, False)])
+def test_int4_weights_become_blocks_that_dequantize_to_the_reference(group_size, act_order):
+    from workers.quant.int4_blocks import int4_blocks
+
+    weight = random_weight(48, 256, seed=group_size)
+    groups = gptq_groups(256, group_size, act_order)
+    q, zeros, scales, reference = quantize_int4(weight, groups)
+    packed, order = int4_blocks(q, zeros, scales, groups)
+    assert (order is not None) == act_order
+    layer = QuantizedLinear(packed, kernels(), None, torch.float32, "float32", input_order=order)
+    assert torch.equal(layer.dequantized(), reference)
+    x = torch.randn(5, 256)
+    torch.testing.assert_close(layer(x), x @ reference.t(), rtol=1e-4, atol=1e-4)
+
+
+def test_int4_groups_smaller_than_a_block_are_not_packed():
+    from workers.quant.int4_blocks import int4_blocks
+
+    groups = gptq_groups(256, 16, act_order=False)
+    q, zeros, scales, _ = quantize_int4(random_weight(48, 256), groups)
+    assert int4_blocks(q, zeros, scales, groups) is None  # a block of 32 inputs would span two groups

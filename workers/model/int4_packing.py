@@ -1,0 +1,97 @@
+"""Swap a float model's linears, loaded from a GPTQ or AWQ checkpoint's float copy
+(quantized_checkpoint.py), for layers holding the checkpoint's 4-bit weights
+(workers/quant/int4_blocks.py, packed_swap.py).
+
+The checkpoint's packed tensors are read again (memory-mapped) and rewritten into blocks;
+each is checked against the float copy's weight it replaces, rounded as that copy was
+(to the config's dtype), so a module name or layout that does not hold keeps the layer in
+float instead of computing wrong numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from workers.model.packed_swap import Match, same_weight, swap_in_packed
+from workers.model.quantized_checkpoint import (
+    target_dtype,
+    unpack_awq,
+    unpack_int4_columns,
+    unpack_int4_rows,
+    weight_files,
+)
+from workers.quant.int4_blocks import int4_blocks
+from workers.quant.native_kernels import QuantKernels, kernels
+
+logger = logging.getLogger(__name__)
+
+
+def keep_int4_weights_packed(model: nn.Module, checkpoint: Path, method: str, activations: str = "int8x2") -> Counter:
+    """Replace, in place, each linear of `model` (fused groups whole) whose GPTQ or AWQ
+    weight in `checkpoint` reproduces it; returns how many of each format were replaced."""
+    quant = kernels()
+    if quant is None:
+        return Counter()
+    config = json.loads((checkpoint / "config.json").read_text())
+    settings = config["quantization_config"]
+    matched, refused = {}, []
+    with ExitStack() as stack:
+        tensors = {}
+        for file in weight_files(checkpoint):
+            handle = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+            tensors.update({key: handle for key in handle.keys()})
+        for prefix in sorted(key.removesuffix(".qweight") for key in tensors if key.endswith(".qweight")):
+            parts = {name: tensors[f"{prefix}.{name}"].get_tensor(f"{prefix}.{name}")
+                     for name in ("qweight", "qzeros", "scales", "g_idx") if f"{prefix}.{name}" in tensors}
+            match = _reproducing(model, prefix, _blocks(method, settings, parts), quant, target_dtype(config))
+            if match is None:
+                refused.append(prefix)
+            else:
+                matched[id(model.get_submodule(prefix))] = match
+    if refused:
+        logger.warning("%d %s weights were not kept packed (%s): those layers stay in float", len(refused),
+                       method, ", ".join(refused[:4]) + (" ..." if len(refused) > 4 else ""))
+    return swap_in_packed(model, matched, quant, activations)
+
+
+def _blocks(method: str, settings: dict, parts: dict[str, torch.Tensor]):
+    """The Q4_F32 blocks (and input order) of one checkpoint linear, or None."""
+    group_size = int(settings.get("group_size", settings.get("q_group_size", 128)))
+    if method == "gptq":
+        q = unpack_int4_rows(parts["qweight"])
+        zero_offset = 0 if settings.get("checkpoint_format") == "gptq_v2" else 1  # v1 stores zero - 1
+        zeros = unpack_int4_columns(parts["qzeros"]) + zero_offset
+        groups = parts.get("g_idx")
+    else:
+        q, zeros, groups = unpack_awq(parts["qweight"]), unpack_awq(parts["qzeros"]), None
+    if groups is None:
+        groups = torch.arange(q.shape[0]) // (q.shape[0] if group_size == -1 else group_size)
+    return int4_blocks(q, zeros, parts["scales"], groups)
+
+
+def _reproducing(model: nn.Module, prefix: str, converted, quant: QuantKernels, stored: torch.dtype) -> Match | None:
+    """The match for the module at `prefix` when the converted blocks reproduce its weight."""
+    try:
+        module = model.get_submodule(prefix)
+    except AttributeError:
+        return None
+    if converted is None or not hasattr(module, "weight"):
+        return None
+    packed, order = converted
+    weight = module.weight
+    if weight.shape != (packed.rows, packed.cols) or weight.device.type != "cpu":
+        return None
+    dequantized = quant.dequantize(packed.fmt, packed.blocks, packed.cols, torch.empty(packed.rows, packed.cols))
+    if order is not None:
+        natural = torch.empty_like(dequantized)
+        natural[:, order] = dequantized
+        dequantized = natural
+    return Match(packed, order) if same_weight(dequantized, weight, stored) else None
