@@ -65,3 +65,23 @@ def test_greedy_text_matches_the_float_copy(models, chat):
     assert _greedy(models["default"], chat, 24) == want
     if chat is CHATS[0]:
         assert "Paris" in models["default"].tokenizer.decode(want)
+
+
+def test_a_tensor_parallel_shard_keeps_its_part_of_the_blocks(tmp_path):
+    """Shard 1 of 3 of the default model (9 heads: 192 q rows and o columns a shard): every
+    linear and the embedding hold its part of the file's blocks (q/k rows reordered as
+    transformers loads them, then cut), equal to the float shard's weights."""
+    from workers.contract.model_config import ModelConfig
+    from workers.serving.model_part import load_part
+
+    shards = {quantization: load_part(ModelConfig(
+        id="m", dtype="float32", pack_cpu_weights=False, quantization=quantization,
+        quantized_activations="float32", parallel={"tensor_parallel_size": 3}), 1)[0].model
+        for quantization in ("auto", "none")}
+    floats = dict(shards["none"].named_modules())
+    packed = {name: m for name, m in shards["auto"].named_modules()
+              if isinstance(m, (QuantizedLinear, QuantizedEmbedding))}
+    assert len(packed) == 4 * 30 + 2  # q/k/v, o, gate/up, down a layer; the embedding and the (tied) head
+    for name, layer in packed.items():
+        if isinstance(layer, QuantizedLinear):
+            assert torch.equal(layer.dequantized(), floats[name].weight), name

@@ -23,7 +23,15 @@ import torch
 from torch import nn
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
-from workers.model.packed_swap import Match, same_weight, swap_in_packed
+from workers.model.packed_swap import (
+    Match,
+    ShardCut,
+    cut_packed,
+    module_names,
+    same_weight,
+    swap_in_packed,
+    whole,
+)
 from workers.quant.native_kernels import QuantKernels, kernels
 from workers.quant.packed_weights import PackedWeight, read_gguf_weights
 
@@ -37,19 +45,22 @@ LAYER_TENSORS = {
 }
 
 
-def keep_gguf_weights_packed(model: nn.Module, gguf: Path, activations: str = "int8x2") -> Counter:
+def keep_gguf_weights_packed(model: nn.Module, gguf: Path, activations: str = "int8x2",
+                             cut: ShardCut = whole) -> Counter:
     """Replace `model`'s layers by quantized ones from `gguf`, in place (after sibling
     projections are fused: a fused group is replaced by its siblings' stacked rows).
     `activations`: int8x2, int8 or float32, how the linears take their input (QuantizedLinear).
-    Returns how many layers of each format were replaced (none without the kernels)."""
+    `cut`: a tensor-parallel shard's part of each weight. Returns how many layers of each
+    format were replaced (none without the kernels)."""
     quant = kernels()
     if quant is None:
         return Counter()
-    matched = _matched_weights(model, read_gguf_weights(gguf), quant)
+    matched = _matched_weights(model, read_gguf_weights(gguf), quant, cut)
     return swap_in_packed(model, {key: Match(packed) for key, packed in matched.items()}, quant, activations)
 
 
-def _matched_weights(model: nn.Module, weights: dict[str, PackedWeight], quant: QuantKernels) -> dict[int, PackedWeight]:
+def _matched_weights(model: nn.Module, weights: dict[str, PackedWeight], quant: QuantKernels,
+                     cut: ShardCut) -> dict[int, PackedWeight]:
     """id(float module) -> its packed weight, for each module whose float weight the packed
     one reproduces (a ProjectionSlice's sibling weight included)."""
     body = model.get_decoder() if hasattr(model, "get_decoder") else model.model
@@ -70,11 +81,13 @@ def _matched_weights(model: nn.Module, weights: dict[str, PackedWeight], quant: 
     # transformers' own rule for the rows of each tensor, applied to row numbers
     rows_rule = LlamaTensorProcessor(config={"num_attention_heads": config.num_attention_heads,
                                              "num_key_value_heads": config.num_key_value_heads})
-    matched, refused = {}, []
+    matched, refused, names = {}, [], module_names(model)
     for name, module in candidates:
+        if module.weight.is_meta:
+            continue  # a layer of another pipeline stage
         packed = weights[name]
         loader_order = torch.from_numpy(rows_rule.process(np.arange(packed.rows), name).weights.copy())
-        found = _reproducing(module.weight, packed, quant, loader_order)
+        found = _reproducing(module.weight, packed, quant, loader_order, cut(f"{names[id(module)]}.weight"))
         if found is None:
             refused.append(name)
         else:
@@ -85,14 +98,18 @@ def _matched_weights(model: nn.Module, weights: dict[str, PackedWeight], quant: 
     return matched
 
 
-def _reproducing(weight: torch.Tensor, packed: PackedWeight, quant: QuantKernels,
-                 loader_order: torch.Tensor) -> PackedWeight | None:
+def _reproducing(weight: torch.Tensor, packed: PackedWeight, quant: QuantKernels, loader_order: torch.Tensor,
+                 shard: tuple[int, int, int] | None) -> PackedWeight | None:
     """`packed`, in the file's row order or in the one transformers' loader gave the float
-    model, whichever reproduces `weight`; None when neither does."""
-    if weight.shape != (packed.rows, packed.cols) or weight.device.type != "cpu":
+    model (then cut to the shard's part), whichever reproduces `weight`; None when neither
+    does."""
+    if weight.device.type != "cpu":
         return None
     reordered = not torch.equal(loader_order, torch.arange(packed.rows))
     for candidate in [packed] + ([packed.select_rows(loader_order)] if reordered else []):
+        candidate = cut_packed(candidate, shard)
+        if candidate is None or weight.shape != (candidate.rows, candidate.cols):
+            continue
         dequantized = quant.dequantize(candidate.fmt, candidate.blocks, candidate.cols,
                                        torch.empty(candidate.rows, candidate.cols))
         if same_weight(dequantized, weight):

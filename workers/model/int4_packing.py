@@ -20,7 +20,14 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from workers.model.packed_swap import Match, same_weight, swap_in_packed
+from workers.model.packed_swap import (
+    Match,
+    ShardCut,
+    cut_packed,
+    same_weight,
+    swap_in_packed,
+    whole,
+)
 from workers.model.quantized_checkpoint import (
     target_dtype,
     unpack_awq,
@@ -34,9 +41,11 @@ from workers.quant.native_kernels import QuantKernels, kernels
 logger = logging.getLogger(__name__)
 
 
-def keep_int4_weights_packed(model: nn.Module, checkpoint: Path, method: str, activations: str = "int8x2") -> Counter:
+def keep_int4_weights_packed(model: nn.Module, checkpoint: Path, method: str, activations: str = "int8x2",
+                             cut: ShardCut = whole) -> Counter:
     """Replace, in place, each linear of `model` (fused groups whole) whose GPTQ or AWQ
-    weight in `checkpoint` reproduces it; returns how many of each format were replaced."""
+    weight in `checkpoint` (`cut` to a tensor-parallel shard's part) reproduces it; returns
+    how many of each format were replaced."""
     quant = kernels()
     if quant is None:
         return Counter()
@@ -51,11 +60,15 @@ def keep_int4_weights_packed(model: nn.Module, checkpoint: Path, method: str, ac
         for prefix in sorted(key.removesuffix(".qweight") for key in tensors if key.endswith(".qweight")):
             parts = {name: tensors[f"{prefix}.{name}"].get_tensor(f"{prefix}.{name}")
                      for name in ("qweight", "qzeros", "scales", "g_idx") if f"{prefix}.{name}" in tensors}
-            match = _reproducing(model, prefix, _blocks(method, settings, parts), quant, target_dtype(config))
+            module = _module(model, prefix)
+            if module is None or module.weight.is_meta:
+                continue  # not this model's, or a layer of another pipeline stage
+            match = _reproducing(module, _blocks(method, settings, parts), cut(f"{prefix}.weight"), quant,
+                                 target_dtype(config))
             if match is None:
                 refused.append(prefix)
             else:
-                matched[id(model.get_submodule(prefix))] = match
+                matched[id(module)] = match
     if refused:
         logger.warning("%d %s weights were not kept packed (%s): those layers stay in float", len(refused),
                        method, ", ".join(refused[:4]) + (" ..." if len(refused) > 4 else ""))
@@ -77,17 +90,26 @@ def _blocks(method: str, settings: dict, parts: dict[str, torch.Tensor]):
     return int4_blocks(q, zeros, parts["scales"], groups)
 
 
-def _reproducing(model: nn.Module, prefix: str, converted, quant: QuantKernels, stored: torch.dtype) -> Match | None:
-    """The match for the module at `prefix` when the converted blocks reproduce its weight."""
+def _module(model: nn.Module, prefix: str) -> nn.Module | None:
     try:
         module = model.get_submodule(prefix)
     except AttributeError:
         return None
-    if converted is None or not hasattr(module, "weight"):
+    return module if hasattr(module, "weight") else None
+
+
+def _reproducing(module: nn.Module, converted, shard: tuple[int, int, int] | None, quant: QuantKernels,
+                 stored: torch.dtype) -> Match | None:
+    """The match for `module` when the converted blocks, cut to the shard's part,
+    reproduce its weight."""
+    if converted is None:
         return None
     packed, order = converted
+    if order is not None and shard is not None and shard[0] == 1:
+        return None  # a shard's input columns are not a range of the act-order layout
+    packed = cut_packed(packed, shard)
     weight = module.weight
-    if weight.shape != (packed.rows, packed.cols) or weight.device.type != "cpu":
+    if packed is None or weight.shape != (packed.rows, packed.cols) or weight.device.type != "cpu":
         return None
     dequantized = quant.dequantize(packed.fmt, packed.blocks, packed.cols, torch.empty(packed.rows, packed.cols))
     if order is not None:

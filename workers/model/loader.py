@@ -33,6 +33,7 @@ from workers.model.gguf_packing import keep_gguf_weights_packed
 from workers.model.hub_source import HubId, resolve_hub_gguf, resolve_hub_model
 from workers.model.int4_packing import keep_int4_weights_packed
 from workers.model.model_cache import converted_once
+from workers.model.packed_swap import ShardCut, whole
 from workers.model.quantized_checkpoint import (
     dequantized_model_dir,
     quantization_method,
@@ -111,17 +112,19 @@ def checkpoint_dir(source: str) -> Path:
     return path
 
 
-def _keep_weights_packed(model, source: str, gguf: Path | None, activations: str) -> None:
+def keep_weights_packed(model, source: str, activations: str, cut: ShardCut = whole) -> None:
     """Swap in the source's quantized weights (a GGUF file's blocks, a GPTQ or AWQ
-    checkpoint's 4-bit weights) for the float layers they reproduce."""
+    checkpoint's 4-bit weights; `cut` to a tensor-parallel shard's part) for the float
+    layers they reproduce."""
+    gguf = resolve_gguf(source)
     if gguf is not None:
-        kept, origin = keep_gguf_weights_packed(model, gguf, activations=activations), gguf.name
+        kept, origin = keep_gguf_weights_packed(model, gguf, activations, cut), gguf.name
     else:
         checkpoint = checkpoint_dir(source)
         method = quantization_method(checkpoint)
         if method not in ("gptq", "awq"):
             return  # plain, or FP8 (float8 weights are not kept packed)
-        kept, origin = keep_int4_weights_packed(model, checkpoint, method, activations), f"{method} {checkpoint}"
+        kept, origin = keep_int4_weights_packed(model, checkpoint, method, activations, cut), f"{method} {checkpoint}"
     logger.info("kept quantized from %s: %s", origin, dict(kept) or "no layer (float path)")
 
 
@@ -175,7 +178,7 @@ def load_model(
         if fused:
             logger.info("fused %d groups of sibling projections", fused)
     if quantization == "auto" and device == "cpu":
-        _keep_weights_packed(loaded.model, source, resolve_gguf(source), quantized_activations)
+        keep_weights_packed(loaded.model, source, quantized_activations)
     if pack_cpu_weights:
         packed = pack_linear_layers(loaded.model)
         if packed:

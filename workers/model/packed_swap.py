@@ -11,6 +11,7 @@ input order; the output head multiplies exactly (float32 activations).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,24 @@ from workers.model.fused_projections import FusedProjection, ProjectionSlice
 from workers.quant.native_kernels import QuantKernels
 from workers.quant.packed_weights import PackedWeight
 from workers.quant.quantized_layers import QuantizedEmbedding, QuantizedLinear
+
+# A tensor-parallel shard's part of a weight, by the float model's parameter name
+# (lm_head.weight, model.layers.0.self_attn.q_proj.weight, ...): (dim, start, end), or None
+# for the whole weight. A whole model cuts nothing.
+ShardCut = Callable[[str], "tuple[int, int, int] | None"]
+
+
+def whole(name: str) -> None:
+    return None
+
+
+def cut_packed(packed: PackedWeight | None, cut: tuple[int, int, int] | None) -> PackedWeight | None:
+    return packed if packed is None or cut is None else packed.narrow(*cut)
+
+
+def module_names(model: nn.Module) -> dict[int, str]:
+    """id(module) -> its name in `model` (a fused group's sibling slices by their own)."""
+    return {id(module): name for name, module in model.named_modules()}
 
 
 @dataclass(frozen=True)

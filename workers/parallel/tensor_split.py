@@ -17,12 +17,13 @@ anything is cut.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from workers.contract.model_shape import SplitShape
+from workers.contract.model_shape import SplitShape, is_direct_family
 from workers.parallel.shard_group import TensorRank
 
 # The products split by their input columns: each shard's output is a partial sum.
@@ -66,6 +67,18 @@ def cut_for(name: str, shape: SplitShape, position: TensorRank, vocab_split: boo
     if owner in ("embed_tokens", "lm_head") and vocab_split:
         return Cut(0, *position.vocab_range(shape.vocab))
     return None
+
+
+def weight_cuts(config, position: TensorRank) -> Callable[[str], tuple[int, int, int] | None]:
+    """This rank's (dim, start, end) of each weight by name (None: whole), for the packed
+    weights a quantized source keeps (workers/model/packed_swap.py's ShardCut)."""
+    shape, vocab_split = SplitShape.of(config), is_direct_family(config)
+
+    def cut(name: str) -> tuple[int, int, int] | None:
+        found = cut_for(name, shape, position, vocab_split)
+        return None if found is None or found.zero else (found.dim, found.start, found.end)
+
+    return cut
 
 
 def apply_cut(tensor: torch.Tensor, cut: Cut | None) -> torch.Tensor:

@@ -45,6 +45,17 @@ class PackedWeight:
     def select_rows(self, order: torch.Tensor) -> "PackedWeight":
         return PackedWeight(self.fmt, self.blocks[order].contiguous(), self.cols)
 
+    def narrow(self, dim: int, start: int, end: int) -> "PackedWeight | None":
+        """Rows (dim 0) or input columns (dim 1) start..end-1, as a tensor-parallel shard
+        holds them; None when columns do not fall on whole blocks."""
+        if dim == 0:
+            return PackedWeight(self.fmt, self.blocks[start:end].contiguous(), self.cols)
+        if start % BLOCK_WEIGHTS or end % BLOCK_WEIGHTS:
+            return None
+        per_block = self.blocks.view(self.rows, -1, BLOCK_BYTES[self.fmt])
+        kept = per_block[:, start // BLOCK_WEIGHTS:end // BLOCK_WEIGHTS]
+        return PackedWeight(self.fmt, kept.reshape(self.rows, -1).contiguous(), end - start)
+
     @staticmethod
     def stacked(parts: list["PackedWeight"]) -> "PackedWeight":
         """The parts' rows one after another (they share a format and a width)."""

@@ -15,6 +15,7 @@ from workers.model.cpu_linear import pack_linear_layers
 from workers.model.fused_projections import fuse_sibling_projections
 from workers.model.loader import (
     LoadedModel,
+    keep_weights_packed,
     load_model,
     prepare_model_dir,
     resolve_dtype,
@@ -22,7 +23,7 @@ from workers.model.loader import (
 from workers.parallel.pipeline import StageLayers
 from workers.parallel.shard_group import ShardLayout
 from workers.parallel.sliced_load import load_split_model
-from workers.parallel.tensor_split import TensorSplitError
+from workers.parallel.tensor_split import TensorSplitError, weight_cuts
 from workers.serving.cpu_budget import cpu_budget
 from workers.serving.host_memory import keep_freed_memory
 
@@ -30,8 +31,8 @@ from workers.serving.host_memory import keep_freed_memory
 def load_part(config: ModelConfig, rank: int) -> tuple[LoadedModel, StageLayers | None]:
     """The model, or shard `rank`'s part of it read slice by slice from the checkpoint
     (workers/parallel/sliced_load.py): its tensor part of its pipeline stage (returned
-    too), per `config.parallel`; on this thread's torch threads. A part is fused and packed
-    after it is cut. A model the split cannot divide is a ValueError naming the field."""
+    too), per `config.parallel`; on this thread's torch threads. A part is fused, given its
+    part of a quantized source's packed weights, and packed after it is cut. A model the split cannot divide is a ValueError naming the field."""
     set_torch_threads(config)
     if config.device == "cpu":
         keep_freed_memory()
@@ -58,6 +59,9 @@ def load_part(config: ModelConfig, rank: int) -> tuple[LoadedModel, StageLayers 
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path)
     fuse_sibling_projections(model)  # the direct forward runs fused siblings
+    if config.quantization == "auto" and config.device == "cpu":  # the source's packed weights, this shard's part
+        keep_weights_packed(model, config.source, config.quantized_activations,
+                            weight_cuts(hf_config, layout.position(rank)))
     if config.pack_cpu_weights:
         pack_linear_layers(model)
     return LoadedModel(model=model, tokenizer=AutoTokenizer.from_pretrained(path), path=path), stage

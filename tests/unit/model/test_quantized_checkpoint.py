@@ -433,3 +433,27 @@ def test_int4_groups_smaller_than_a_block_are_not_packed():
     groups = gptq_groups(256, 16, act_order=False)
     q, zeros, scales, _ = quantize_int4(random_weight(48, 256), groups)
     assert int4_blocks(q, zeros, scales, groups) is None  # a block of 32 inputs would span two groups
+
+
+@pytest.mark.skipif(kernels() is None, reason="no C compiler to build the quantized kernels")
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_a_tensor_parallel_shard_keeps_its_part_of_the_weights_packed(float_dir, tmp_path, method):
+    """Each of two shards holds its rows (q/k/v, gate/up) and input columns (o, down) of the
+    4-bit weights, equal to the float shard's; GPTQ's act-order inputs cannot be cut by
+    column, so o and down stay float there."""
+    from workers.contract.model_config import ModelConfig
+    from workers.serving.model_part import load_part
+
+    model_dir = tmp_path / f"tiny-{method}"
+    quantize_model(float_dir, method, model_dir, tmp_path / "twin")
+    for rank in (0, 1):
+        shards = {quantization: load_part(ModelConfig(
+            id="m", source=str(model_dir), dtype="float32", pack_cpu_weights=False, cache_dir=str(tmp_path / "c"),
+            quantization=quantization, quantized_activations="float32", parallel={"tensor_parallel_size": 2}),
+            rank)[0].model for quantization in ("auto", "none")}
+        floats = dict(shards["none"].named_modules())
+        packed = {name: m for name, m in shards["auto"].named_modules() if isinstance(m, QuantizedLinear)}
+        layers = shards["auto"].config.num_hidden_layers
+        assert len(packed) == (4 if method == "awq" else 2) * layers
+        for name, layer in packed.items():
+            assert torch.equal(layer.dequantized(), floats[name].weight), name
