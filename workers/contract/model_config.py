@@ -283,7 +283,8 @@ class ModelConfig(_Strict):
         "auto", description="auto: on a CPU, a GGUF file's Q4_0, Q4_1, Q8_0 weights stay in their blocks (Q4_K, Q5_K, "
         "Q6_K, and GPTQ/AWQ 4-bit weights with groups of 32n inputs, in blocks of 32 with float32 scales) and multiply "
         "through chatserve's C kernels (built once with the host's gcc; the default model's weights take 97 MB "
-        "instead of 540); other formats (FP8 included) and devices load as floats. none: the float copy")
+        "instead of 540); on CUDA the same weights multiply through a Triton kernel; other formats (FP8 included) "
+        "load as floats. none: the float copy")
     quantized_activations: Literal["int8x2", "int8", "float32"] = Field(
         "int8x2", description="quantization auto, how the quantized linears take their input: int8 rounds it to 8 "
         "bits a block and multiplies as integers, as llama.cpp does (fastest: 2-5x the float copy's products on a "

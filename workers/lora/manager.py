@@ -30,7 +30,7 @@ from workers.lora.peft_files import LoraAdapter, LoraModule
 from workers.lora.slots import LoraSlots
 from workers.model.cpu_linear import PackedLinear
 from workers.model.fused_projections import ProjectionSlice
-from workers.quant.quantized_layers import QuantizedLinear
+from workers.quant.quantized_layers import DeviceQuantizedLinear, QuantizedLinear
 
 # The attention and MLP projections of Llama-style decoders (Llama, Mistral, Qwen2/3,
 # Gemma, SmolLM, ...): what PEFT's usual target_modules name, and what chatserve adapts.
@@ -254,7 +254,7 @@ def wrap_targets(model: nn.Module, limits: LoraLimits, context: LoraContext,
             if not (isinstance(fused.linear, LoraLinear) and fused.linear.context is context):  # once a group
                 fused.linear = layer(fused.linear, fused.bounds)
             targets[name] = LoraTarget(fused.linear, module.index)
-        elif type(module) in (nn.Linear, PackedLinear, QuantizedLinear, LoraLinear):
+        elif type(module) in (nn.Linear, PackedLinear, QuantizedLinear, DeviceQuantizedLinear, LoraLinear):
             wrapped = layer(module, [(0, module.out_features)])
             parent_name, _, child = name.rpartition(".")
             setattr(modules[parent_name] if parent_name else model, child, wrapped)

@@ -46,17 +46,17 @@ LAYER_TENSORS = {
 
 
 def keep_gguf_weights_packed(model: nn.Module, gguf: Path, activations: str = "int8x2",
-                             cut: ShardCut = whole) -> Counter:
+                             cut: ShardCut = whole, device: str = "cpu") -> Counter:
     """Replace `model`'s layers by quantized ones from `gguf`, in place (after sibling
     projections are fused: a fused group is replaced by its siblings' stacked rows).
     `activations`: int8x2, int8 or float32, how the linears take their input (QuantizedLinear).
-    `cut`: a tensor-parallel shard's part of each weight. Returns how many layers of each
+    `cut`: a tensor-parallel shard's part of each weight; `device`: the layers' (packed_swap.py). Returns how many layers of each
     format were replaced (none without the kernels)."""
     quant = kernels()
     if quant is None:
         return Counter()
     matched = _matched_weights(model, read_gguf_weights(gguf), quant, cut)
-    return swap_in_packed(model, {key: Match(packed) for key, packed in matched.items()}, quant, activations)
+    return swap_in_packed(model, {key: Match(packed) for key, packed in matched.items()}, quant, activations, device)
 
 
 def _matched_weights(model: nn.Module, weights: dict[str, PackedWeight], quant: QuantKernels,

@@ -37,12 +37,13 @@ from workers.model.quantized_checkpoint import (
 )
 from workers.quant.int4_blocks import int4_blocks
 from workers.quant.native_kernels import QuantKernels, kernels
+from workers.quant.quantized_layers import natural_columns
 
 logger = logging.getLogger(__name__)
 
 
 def keep_int4_weights_packed(model: nn.Module, checkpoint: Path, method: str, activations: str = "int8x2",
-                             cut: ShardCut = whole) -> Counter:
+                             cut: ShardCut = whole, device: str = "cpu") -> Counter:
     """Replace, in place, each linear of `model` (fused groups whole) whose GPTQ or AWQ
     weight in `checkpoint` (`cut` to a tensor-parallel shard's part) reproduces it; returns
     how many of each format were replaced."""
@@ -72,7 +73,7 @@ def keep_int4_weights_packed(model: nn.Module, checkpoint: Path, method: str, ac
     if refused:
         logger.warning("%d %s weights were not kept packed (%s): those layers stay in float", len(refused),
                        method, ", ".join(refused[:4]) + (" ..." if len(refused) > 4 else ""))
-    return swap_in_packed(model, matched, quant, activations)
+    return swap_in_packed(model, matched, quant, activations, device)
 
 
 def _blocks(method: str, settings: dict, parts: dict[str, torch.Tensor]):
@@ -112,8 +113,5 @@ def _reproducing(module: nn.Module, converted, shard: tuple[int, int, int] | Non
     if packed is None or weight.shape != (packed.rows, packed.cols) or weight.device.type != "cpu":
         return None
     dequantized = quant.dequantize(packed.fmt, packed.blocks, packed.cols, torch.empty(packed.rows, packed.cols))
-    if order is not None:
-        natural = torch.empty_like(dequantized)
-        natural[:, order] = dequantized
-        dequantized = natural
+    dequantized = natural_columns(dequantized, order)
     return Match(packed, order) if same_weight(dequantized, weight, stored) else None

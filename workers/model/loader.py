@@ -112,19 +112,26 @@ def checkpoint_dir(source: str) -> Path:
     return path
 
 
-def keep_weights_packed(model, source: str, activations: str, cut: ShardCut = whole) -> None:
+def has_packed_weights(source: str) -> bool:
+    """Whether `source` holds weights a model keeps packed: a GGUF file, a GPTQ or AWQ
+    checkpoint (FP8's float8 weights are not kept packed)."""
+    return resolve_gguf(source) is not None or quantization_method(checkpoint_dir(source)) in ("gptq", "awq")
+
+
+def keep_weights_packed(model, source: str, activations: str, cut: ShardCut = whole, device: str = "cpu") -> None:
     """Swap in the source's quantized weights (a GGUF file's blocks, a GPTQ or AWQ
     checkpoint's 4-bit weights; `cut` to a tensor-parallel shard's part) for the float
-    layers they reproduce."""
+    layers of `model` (still on the CPU) they reproduce, as layers for `device`."""
     gguf = resolve_gguf(source)
     if gguf is not None:
-        kept, origin = keep_gguf_weights_packed(model, gguf, activations, cut), gguf.name
+        kept, origin = keep_gguf_weights_packed(model, gguf, activations, cut, device), gguf.name
     else:
         checkpoint = checkpoint_dir(source)
         method = quantization_method(checkpoint)
         if method not in ("gptq", "awq"):
-            return  # plain, or FP8 (float8 weights are not kept packed)
-        kept, origin = keep_int4_weights_packed(model, checkpoint, method, activations, cut), f"{method} {checkpoint}"
+            return
+        kept = keep_int4_weights_packed(model, checkpoint, method, activations, cut, device)
+        origin = f"{method} {checkpoint}"
     logger.info("kept quantized from %s: %s", origin, dict(kept) or "no layer (float path)")
 
 
@@ -152,10 +159,10 @@ def load_model(
     quantized_activations: str = "int8x2",
 ) -> LoadedModel:
     """`quantization`: `auto` keeps a GGUF file's Q4_0/Q4_1/Q8_0 (and, rewritten, Q4_K/Q5_K/
-    Q6_K) weights, or a GPTQ/AWQ checkpoint's 4-bit weights, in blocks on
-    a CPU (workers/quant/), whose products take the activations as `quantized_activations`
-    says (int8x2, int8 or float32, workers/quant/quantized_layers.py); `none` runs its float
-    conversion. `fuse_projections`:
+    Q6_K) weights, or a GPTQ/AWQ checkpoint's 4-bit weights, in blocks (workers/quant/): on
+    a CPU multiplied by the C kernels, taking the activations as `quantized_activations`
+    says (int8x2, int8 or float32, workers/quant/quantized_layers.py); on CUDA by a Triton
+    kernel (the model is swapped on the CPU, then moved); `none` runs the float conversion. `fuse_projections`:
     each layer's q/k/v and gate/up projections run as one matrix multiply each
     (workers/model/fused_projections.py). `pack_cpu_weights`: a CPU model's linear weights
     are packed for oneDNN once (workers/model/cpu_linear.py): always in bfloat16 (the same
@@ -164,6 +171,8 @@ def load_model(
     path = prepare_model_dir(source, cache_dir)
     config = AutoConfig.from_pretrained(path)
     kwargs = {"dtype": resolve_dtype(dtype, device)}
+    packed = quantization == "auto" and device in ("cpu", "cuda") and has_packed_weights(source)
+    target, device = device, "cpu" if packed else device  # a packed model goes to its device after the swap
     if getattr(config, "vision_config", None) is not None:
         loaded = _load_vision_language(path, device, kwargs, config, attn_implementation)
     else:
@@ -177,8 +186,9 @@ def load_model(
         fused = fuse_sibling_projections(loaded.model)
         if fused:
             logger.info("fused %d groups of sibling projections", fused)
-    if quantization == "auto" and device == "cpu":
-        keep_weights_packed(loaded.model, source, quantized_activations)
+    if packed:
+        keep_weights_packed(loaded.model, source, quantized_activations, device=target)
+        loaded.model.to(target)
     if pack_cpu_weights:
         packed = pack_linear_layers(loaded.model)
         if packed:

@@ -20,7 +20,11 @@ from torch import nn
 from workers.model.fused_projections import FusedProjection, ProjectionSlice
 from workers.quant.native_kernels import QuantKernels
 from workers.quant.packed_weights import PackedWeight
-from workers.quant.quantized_layers import QuantizedEmbedding, QuantizedLinear
+from workers.quant.quantized_layers import (
+    DeviceQuantizedLinear,
+    QuantizedEmbedding,
+    QuantizedLinear,
+)
 
 # A tensor-parallel shard's part of a weight, by the float model's parameter name
 # (lm_head.weight, model.layers.0.self_attn.q_proj.weight, ...): (dim, start, end), or None
@@ -57,9 +61,12 @@ def same_weight(dequantized: torch.Tensor, weight: torch.Tensor, stored_dtype: t
     return bool(torch.equal(rounded.to(weight.dtype).to(torch.float32), weight.detach().to(torch.float32)))
 
 
-def swap_in_packed(model: nn.Module, matched: dict[int, Match], quant: QuantKernels, activations: str) -> Counter:
+def swap_in_packed(model: nn.Module, matched: dict[int, Match], quant: QuantKernels, activations: str,
+                   device: str = "cpu") -> Counter:
     """Replace, in place, each module of `model` whose id is in `matched` (fused groups whose
-    siblings all are); returns how many layers of each format were replaced."""
+    siblings all are), with layers for `device` (the model is still on the CPU; a CUDA
+    one's layers take triton_matmul's kernel and its embedding stays float); returns how
+    many layers of each format were replaced."""
     replaced: Counter = Counter()
     head = model.get_output_embeddings()
     for parent in list(model.modules()):
@@ -67,7 +74,8 @@ def swap_in_packed(model: nn.Module, matched: dict[int, Match], quant: QuantKern
             # The output head multiplies exactly: rounding its input moves near-tied logits
             # (the default model's first answer token to "What is the capital of France?"
             # is 0.3 % ahead of the next, and 8-bit activations swap them).
-            swap = _replacement(child, matched.get(id(child)), quant, activations if child is not head else "float32")
+            swap = _replacement(child, matched.get(id(child)), quant, activations if child is not head else "float32",
+                                device)
             if swap is not None:
                 setattr(parent, name, swap)
                 replaced[swap.format_name] += 1
@@ -79,8 +87,8 @@ def swap_in_packed(model: nn.Module, matched: dict[int, Match], quant: QuantKern
         if any(order is not None for order in orders) and not all(
                 order is not None and torch.equal(order, orders[0]) for order in orders):
             continue  # siblings with other input orders cannot share one product
-        fused.linear = QuantizedLinear(PackedWeight.stacked([part.packed for part in parts]), quant, fused.linear.bias,
-                                       fused.linear.weight.dtype, activations, input_order=orders[0])
+        fused.linear = _linear(PackedWeight.stacked([part.packed for part in parts]), quant, fused.linear,
+                               activations, orders[0], device)
         replaced[fused.linear.format_name] += 1
     return replaced
 
@@ -95,12 +103,19 @@ def _fused_groups(model: nn.Module) -> dict[FusedProjection, list[ProjectionSlic
     return {fused: sorted(slices, key=lambda part: part.index) for fused, slices in groups.items()}
 
 
-def _replacement(child: nn.Module, match: Match | None, quant: QuantKernels, activations: str) -> nn.Module | None:
+def _replacement(child: nn.Module, match: Match | None, quant: QuantKernels, activations: str,
+                 device: str) -> nn.Module | None:
     if match is None:
         return None
-    if isinstance(child, nn.Embedding) and match.input_order is None:
+    if isinstance(child, nn.Embedding) and match.input_order is None and device == "cpu":
         return QuantizedEmbedding(match.packed, quant, child.weight.dtype)
     if type(child) is nn.Linear:
-        return QuantizedLinear(match.packed, quant, child.bias, child.weight.dtype, activations,
-                               input_order=match.input_order)
-    return None  # a sibling slice (its fused group is replaced whole)
+        return _linear(match.packed, quant, child, activations, match.input_order, device)
+    return None  # a sibling slice (its fused group is replaced whole), or a CUDA model's embedding
+
+
+def _linear(packed: PackedWeight, quant: QuantKernels, linear: nn.Linear, activations: str,
+            input_order: torch.Tensor | None, device: str) -> nn.Module:
+    if device == "cuda":
+        return DeviceQuantizedLinear(packed, linear.bias, linear.weight.dtype, input_order)
+    return QuantizedLinear(packed, quant, linear.bias, linear.weight.dtype, activations, input_order=input_order)

@@ -33,12 +33,23 @@ from workers.quant.packed_weights import (
     deinterleave_rows,
     interleave_rows,
 )
+from workers.quant.triton_matmul import DeviceBlocks, dequantized_matmul
 
 KERNEL_MAX_ROWS = 16
 ACTIVATION_LEVELS = {"int8": 1, "int8x2": 2}  # quantized_activations -> levels of 8-bit rounding; float32: none
 SCRATCH_FLOATS = 1 << 20  # 4 MiB: a slice of dequantized weight stays in the CPU's caches
 
 _scratch = threading.local()  # one buffer a thread: steps on different threads never share one
+
+
+def natural_columns(weight: torch.Tensor, input_order: torch.Tensor | None) -> torch.Tensor:
+    """A weight whose columns are the inputs in `input_order`, with its columns put back in
+    the inputs' own order (None: already so)."""
+    if input_order is None:
+        return weight
+    natural = torch.empty_like(weight)
+    natural[:, input_order] = weight
+    return natural
 
 
 def _scratch_buffer() -> torch.Tensor:
@@ -118,11 +129,7 @@ class QuantizedLinear(nn.Module):
         """The whole weight as float32 (tests, and checking a layer against its float twin)."""
         out = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
         self.kernels.dequantize(self.fmt, self.row_blocks().contiguous(), self.in_features, out)
-        if not self.reordered:
-            return out
-        natural = torch.empty_like(out)
-        natural[:, self.input_order] = out
-        return natural
+        return natural_columns(out, self.input_order)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -151,3 +158,42 @@ class QuantizedEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, format={self.format_name}"
+
+
+class DeviceQuantizedLinear(nn.Module):
+    """Stands where an `nn.Linear` stood on a CUDA device: the weight as DeviceBlocks
+    (4- or 8-bit quants, float32 scales and minimums, as buffers that move with the
+    model), multiplied by triton_matmul's kernel in the activations' dtype. `weight` and
+    `input_order` as in QuantizedLinear."""
+
+    def __init__(self, packed: PackedWeight, bias: torch.Tensor | None, dtype: torch.dtype,
+                 input_order: torch.Tensor | None = None):
+        super().__init__()
+        blocks = DeviceBlocks.of(packed, "cpu")  # moved with the model
+        self.format_name, self.group, self.four_bit = packed.format_name, blocks.group, blocks.four_bit
+        self.in_features, self.out_features = packed.cols, packed.rows
+        self.register_buffer("quants", blocks.quants)
+        self.register_buffer("scales", blocks.scales)
+        self.register_buffer("minimums", blocks.minimums)
+        self.register_buffer("input_order", input_order)
+        self.reordered = input_order is not None
+        self.bias = bias
+        self.weight = torch.empty(packed.rows, packed.cols, dtype=dtype, device="meta")
+
+    def device_blocks(self) -> DeviceBlocks:
+        return DeviceBlocks(self.quants, self.scales, self.minimums, self.group, self.four_bit)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if self.reordered:
+            flat = flat.index_select(1, self.input_order)
+        out = dequantized_matmul(flat.contiguous(), self.device_blocks())
+        if self.bias is not None:
+            out += self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        return natural_columns(self.device_blocks().dequantized(), self.input_order)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format_name}"
