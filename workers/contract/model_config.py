@@ -290,7 +290,8 @@ class ModelConfig(_Strict):
         "bits a block and multiplies as integers, as llama.cpp does (fastest: 2-5x the float copy's products on a "
         "2-core AVX2 CPU; its rounding can change greedy text, the default model's first answer included); int8x2 "
         "also multiplies what that rounding left out (within ~2e-5 of float; 1-5x the float copy's speed); float32 "
-        "multiplies the dequantized weights exactly (the float copy's speed). The output layer is always exact")
+        "multiplies the dequantized weights exactly (the float copy's speed). The output layer never takes int8's "
+        "single rounding (int8x2 then)")
     fuse_projections: bool = Field(
         True, description="run each layer's q/k/v projections, and its gate/up projections, as one matrix "
         "multiply each (fewer, wider weight passes)")

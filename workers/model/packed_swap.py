@@ -68,14 +68,10 @@ def swap_in_packed(model: nn.Module, matched: dict[int, Match], quant: QuantKern
     one's layers take triton_matmul's kernel and its embedding stays float); returns how
     many layers of each format were replaced."""
     replaced: Counter = Counter()
-    head = model.get_output_embeddings()
+    ready = _head_and_embedding(model, matched, quant, activations, device)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            # The output head multiplies exactly: rounding its input moves near-tied logits
-            # (the default model's first answer token to "What is the capital of France?"
-            # is 0.3 % ahead of the next, and 8-bit activations swap them).
-            swap = _replacement(child, matched.get(id(child)), quant, activations if child is not head else "float32",
-                                device)
+            swap = ready.get(id(child)) or _replacement(child, matched.get(id(child)), quant, activations, device)
             if swap is not None:
                 setattr(parent, name, swap)
                 replaced[swap.format_name] += 1
@@ -91,6 +87,28 @@ def swap_in_packed(model: nn.Module, matched: dict[int, Match], quant: QuantKern
                                activations, orders[0], device)
         replaced[fused.linear.format_name] += 1
     return replaced
+
+
+def _head_and_embedding(model: nn.Module, matched: dict[int, Match], quant: QuantKernels, activations: str,
+                        device: str) -> dict[int, nn.Module]:
+    """The output head's replacement, and the embedding's when it is tied to the head (then
+    reading the head's blocks: one copy). The head never takes one 8-bit rounding (int8):
+    the default model's first answer token to "What is the capital of France?" is 0.3 %
+    ahead of the next, and one rounding of the head's input alone swaps them; two (int8x2)
+    keep it."""
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    ready: dict[int, nn.Module] = {}
+    head_match = matched.get(id(head)) if head is not None else None
+    if head_match is None:
+        return ready
+    layer = _replacement(head, head_match, quant, "float32" if activations == "float32" else "int8x2", device)
+    if layer is None:
+        return ready
+    ready[id(head)] = layer
+    embedding_match = matched.get(id(embedding))
+    if embedding_match is not None and embedding_match.packed is head_match.packed and device == "cpu":
+        ready[id(embedding)] = QuantizedEmbedding(head_match.packed, quant, embedding.weight.dtype, tied_head=layer)
+    return ready
 
 
 def _fused_groups(model: nn.Module) -> dict[FusedProjection, list[ProjectionSlice]]:

@@ -294,6 +294,22 @@ static void quantize_activations_parallel(const float *x, int64_t M, int64_t K, 
     }
 }
 
+/* Weight (lane, column) of an interleaved block, as its integer quant. */
+static inline int interleaved_quant(int fmt, const uint8_t *qs, int lane, int col) {
+    if (is_q8(fmt)) return ((const int8_t *)qs)[32 * (col / 4) + 4 * lane + col % 4];
+    int i = (col % 16) / 4, byte = qs[32 * i + 4 * lane + col % 4];
+    return col < 16 ? (byte & 0x0f) : (byte >> 4);
+}
+
+/* The scales and minimum of row `lane` of an interleaved block: each field is 8 values,
+   one a row, of the row layout's width (fp16 or f32). */
+static inline void lane_fields(int fmt, const uint8_t *blk, int lane, float *d_lo, float *d_hi, float *m) {
+    uint8_t fields[12];
+    int width = fmt == FMT_Q4_F32 || fmt == FMT_Q8_F32 ? 4 : 2;
+    for (int f = 0; f < fields_bytes(fmt) / width; f++) memcpy(fields + f * width, blk + f * GROUP_ROWS * width + lane * width, width);
+    block_fields(fmt, fields, d_lo, d_hi, m);
+}
+
 #if defined(__AVX2__) && defined(__F16C__)
 static inline __m256i broadcast4(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
 
@@ -382,22 +398,6 @@ static inline __attribute__((always_inline)) void group_rows_q8(int fmt, const u
         for (int r = 0; r < rows; r++) _mm256_storeu_ps(y + r * ldy, acc[r]);
 }
 #else
-/* Weight (lane, column) of an interleaved block, as its integer quant. */
-static inline int interleaved_quant(int fmt, const uint8_t *qs, int lane, int col) {
-    if (is_q8(fmt)) return ((const int8_t *)qs)[32 * (col / 4) + 4 * lane + col % 4];
-    int i = (col % 16) / 4, byte = qs[32 * i + 4 * lane + col % 4];
-    return col < 16 ? (byte & 0x0f) : (byte >> 4);
-}
-
-/* The scales and minimum of row `lane` of an interleaved block: each field is 8 values,
-   one a row, of the row layout's width (fp16 or f32). */
-static inline void lane_fields(int fmt, const uint8_t *blk, int lane, float *d_lo, float *d_hi, float *m) {
-    uint8_t fields[12];
-    int width = fmt == FMT_Q4_F32 || fmt == FMT_Q8_F32 ? 4 : 2;
-    for (int f = 0; f < fields_bytes(fmt) / width; f++) memcpy(fields + f * width, blk + f * GROUP_ROWS * width + lane * width, width);
-    block_fields(fmt, fields, d_lo, d_hi, m);
-}
-
 static void group_rows_portable(int fmt, const uint8_t *group, int64_t nblocks, const int8_t *xq,
                                 const act_block *meta, int64_t K, int rows, int levels, float *y, int64_t ldy) {
     const int64_t gbb = GROUP_ROWS * block_bytes(fmt);
@@ -474,6 +474,30 @@ int interleaved_matmul(int fmt, const uint8_t *w, int64_t N, int64_t K, const fl
                 group_tile(fmt, w + g * group_bytes, nblocks, xq + m0 * K, meta + m0 * nblocks, K, rows, levels,
                            y + m0 / levels * N + g * GROUP_ROWS, N);
             }
+        }
+    }
+    return 0;
+}
+
+/* out (count x K floats) = the interleaved weight's rows `rows[i]`, dequantized (an
+   embedding that shares a tied output head's interleaved blocks looks its rows up here).
+   Returns 0, or -1 as above. */
+int dequantize_interleaved_rows(int fmt, const uint8_t *w, int64_t K, const int64_t *rows, int64_t count,
+                                float *out, int threads) {
+    int64_t bb = block_bytes(fmt);
+    if (bb < 0 || K % QK) return -1;
+    int64_t nblocks = K / QK, gbb = GROUP_ROWS * bb, qoffset = GROUP_ROWS * fields_bytes(fmt);
+    #pragma omp parallel for schedule(static) num_threads(threads) if (count * K > 65536)
+    for (int64_t i = 0; i < count; i++) {
+        const uint8_t *group = w + rows[i] / GROUP_ROWS * nblocks * gbb;
+        int lane = (int)(rows[i] % GROUP_ROWS);
+        for (int64_t b = 0; b < nblocks; b++) {
+            const uint8_t *blk = group + b * gbb;
+            float d_lo, d_hi, m;
+            lane_fields(fmt, blk, lane, &d_lo, &d_hi, &m);
+            for (int col = 0; col < QK; col++)
+                out[i * K + b * QK + col] = fmaf(col < QK / 2 ? d_lo : d_hi,
+                                                 (float)interleaved_quant(fmt, blk + qoffset, lane, col), m);
         }
     }
     return 0;

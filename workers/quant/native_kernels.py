@@ -45,6 +45,9 @@ class QuantKernels:
         self._work_bytes = library.interleaved_matmul_work_bytes
         self._work_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
         self._work_bytes.restype = ctypes.c_int64
+        self._dequantize_interleaved = library.dequantize_interleaved_rows
+        self._dequantize_interleaved.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
         self._dequantize = library.dequantize_rows
         self._dequantize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                      ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
@@ -78,6 +81,16 @@ class QuantKernels:
         if status:
             raise ValueError(f"interleaved_matmul: format {fmt} with {rows} x {cols}, {levels} levels, "
                              "is not supported")
+        return out
+
+    def dequantize_interleaved(self, fmt: int, interleaved: torch.Tensor, cols: int, rows: torch.Tensor,
+                               out: torch.Tensor) -> torch.Tensor:
+        """Rows `rows` (int64 ids) of a weight laid out by packed_weights.interleave_rows,
+        as float32 into `out`."""
+        status = self._dequantize_interleaved(fmt, interleaved.data_ptr(), cols, rows.data_ptr(), rows.numel(),
+                                              out.data_ptr(), torch.get_num_threads())
+        if status:
+            raise ValueError(f"dequantize_interleaved_rows: format {fmt} with {cols} columns is not supported")
         return out
 
     def dequantize(self, fmt: int, blocks: torch.Tensor, cols: int, out: torch.Tensor,

@@ -12,11 +12,12 @@ non-head matrices at 1 / 16 / 32 / 64 / 256 rows (2-core AMD EPYC Zen 3, AVX2, f
   the rounding left out, rounded again (~2e-5, float-like: the default model's greedy text
   stays the float copy's where one rounding changes its first answer): 5.4 / 26.6 / 60.8 /
   100.6 / 376 ms. A row's result does not depend on the other rows of the step.
-- `float32` (and always the output head, whose blocks the embedding shares in the
-  file's layout): each block widened to float32 for up to KERNEL_MAX_ROWS rows; beyond,
+- `float32`: each block widened to float32 for up to KERNEL_MAX_ROWS rows; beyond,
   the weight dequantized a slice at a time into a reused buffer for torch's float matmul:
   15.6 / 39.9 / 90.2 / 123.9 / 436 ms, the dequantized float product up to summation order.
-The result comes back in the input's dtype.
+The output head never takes one rounding (int8x2 under int8: workers/model/packed_swap.py
+says why); a tied embedding reads its rows from the head's interleaved blocks. The result
+comes back in the input's dtype.
 """
 
 from __future__ import annotations
@@ -138,13 +139,16 @@ class QuantizedLinear(nn.Module):
 
 class QuantizedEmbedding(nn.Module):
     """Stands where an `nn.Embedding` stood: the looked-up rows are dequantized. A tied
-    output layer shares the same blocks (one copy)."""
+    output layer shares the same blocks (one copy): `tied_head`, a QuantizedLinear holding
+    them interleaved, whose blocks the rows are then read from."""
 
-    def __init__(self, packed: PackedWeight, kernels: QuantKernels, dtype: torch.dtype):
+    def __init__(self, packed: PackedWeight, kernels: QuantKernels, dtype: torch.dtype,
+                 tied_head: QuantizedLinear | None = None):
         super().__init__()
         self.fmt, self.format_name, self.kernels, self.dtype = packed.fmt, packed.format_name, kernels, dtype
         self.num_embeddings, self.embedding_dim = packed.rows, packed.cols
-        self.register_buffer("blocks", packed.blocks)
+        self.interleaved = tied_head is not None and bool(tied_head.levels)
+        self.register_buffer("blocks", tied_head.blocks if tied_head is not None else packed.blocks)
         self.weight = torch.empty(packed.rows, packed.cols, dtype=dtype, device="meta")
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -153,7 +157,10 @@ class QuantizedEmbedding(nn.Module):
         if int(lowest) < 0 or int(highest) >= self.num_embeddings:
             raise IndexError(f"token id out of range [0, {self.num_embeddings})")  # the C loop does not check
         out = torch.empty(flat.numel(), self.embedding_dim, dtype=torch.float32)
-        self.kernels.dequantize(self.fmt, self.blocks, self.embedding_dim, out, rows=flat)
+        if self.interleaved:
+            self.kernels.dequantize_interleaved(self.fmt, self.blocks, self.embedding_dim, flat, out)
+        else:
+            self.kernels.dequantize(self.fmt, self.blocks, self.embedding_dim, out, rows=flat)
         return out.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:

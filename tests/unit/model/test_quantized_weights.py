@@ -332,7 +332,7 @@ def test_8_bit_activations_stay_close_to_the_float_twin(tmp_path, activations, b
     twin, model = _twin_pair(tmp_path / "m.gguf", Q.Q4_1)
     keep_gguf_weights_packed(model, tmp_path / "m.gguf", activations)
     assert model.model.layers[0].mlp.down_proj.activations == activations
-    assert model.lm_head.activations == "float32"  # the head multiplies exactly
+    assert model.lm_head.activations == "int8x2"  # never one rounding: near-tied logits stay put
     with torch.inference_mode():
         want = twin(torch.tensor([[5, 17, 3, 40]])).logits
         got = model(torch.tensor([[5, 17, 3, 40]])).logits
@@ -357,6 +357,20 @@ def test_deepcopy_keeps_one_block_tensor_per_layer(tmp_path):
     keep_gguf_weights_packed(model, tmp_path / "m.gguf")
     clone = copy.deepcopy(model)
     assert clone.lm_head.blocks is clone.model.embed_tokens.blocks
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_a_tied_embedding_reads_its_rows_from_the_heads_interleaved_blocks(tmp_path, fmt):
+    """One copy of the tied weight, interleaved for the head's 8-bit products: the
+    embedding's rows are its float twin's, and the head's product is within its rounding."""
+    twin, model = _twin_pair(tmp_path / "m.gguf", fmt, tie_word_embeddings=True)
+    keep_gguf_weights_packed(model, tmp_path / "m.gguf")
+    embedding, head = model.model.embed_tokens, model.lm_head
+    assert embedding.blocks is head.blocks and embedding.interleaved and head.levels == 2
+    ids = torch.tensor([[0, 95, 7], [7, 3, 50]])
+    assert torch.equal(embedding(ids), twin.model.embed_tokens(ids))
+    x = torch.randn(4, 64)
+    assert _relative_error(head(x), twin.lm_head(x)) < 1e-4
 
 
 def test_pickled_layer_computes_the_same(tmp_path):
