@@ -226,6 +226,12 @@ def test_resumed_streams_give_the_output_of_an_uninterrupted_run(two_replica_app
 def test_a_killed_ingress_replica_cuts_only_its_own_streams(two_replica_app):
     report = run_fault("kill ingress replica", "faults2", INGRESS, fault_load(two_replica_app))
     print(report.line())
+    if report.affected == 0 and report.failed_after_kill == 0:
+        # The kill missed: every stream in flight was on the other replica (once in a full
+        # suite run, after the earlier faults, Serve's proxy sent all 8 to one; alone the
+        # split is 4-5 of 8). Once more, the replacement running: the check needs a hit.
+        report = run_fault("kill ingress replica", "faults2", INGRESS, fault_load(two_replica_app))
+        print(report.line())
     assert report.replicas == 2 and report.in_flight_at_kill >= 6
     # Its streams lose their connection (the process that wrote them is gone: nothing can
     # send an error event); the other replica's streams finish.
