@@ -82,6 +82,7 @@ def test_a_tensor_parallel_shard_keeps_its_part_of_the_blocks(tmp_path):
     packed = {name: m for name, m in shards["auto"].named_modules()
               if isinstance(m, (QuantizedLinear, QuantizedEmbedding))}
     assert len(packed) == 4 * 30 + 2  # q/k/v, o, gate/up, down a layer; the embedding and the (tied) head
+    assert shards["auto"].model.embed_tokens.blocks is shards["auto"].lm_head.blocks  # the shard's one copy
     for name, layer in packed.items():
         if isinstance(layer, QuantizedLinear):
             assert torch.equal(layer.dequantized(), floats[name].weight), name

@@ -112,26 +112,35 @@ def checkpoint_dir(source: str) -> Path:
     return path
 
 
-def has_packed_weights(source: str) -> bool:
-    """Whether `source` holds weights a model keeps packed: a GGUF file, a GPTQ or AWQ
-    checkpoint (FP8's float8 weights are not kept packed)."""
-    return resolve_gguf(source) is not None or quantization_method(checkpoint_dir(source)) in ("gptq", "awq")
+@dataclass(frozen=True)
+class PackedSource:
+    """Where a source's packed weights are: a GGUF file, or a GPTQ/AWQ checkpoint directory."""
+    gguf: Path | None = None
+    checkpoint: Path | None = None
+    method: str | None = None  # gptq or awq, with `checkpoint`
+
+    @classmethod
+    def of(cls, source: str) -> "PackedSource | None":
+        """`source`'s packed weights, resolved once; None for a source with none (a plain
+        checkpoint, or FP8, whose float8 weights are not kept packed)."""
+        gguf = resolve_gguf(source)
+        if gguf is not None:
+            return cls(gguf=gguf)
+        checkpoint = checkpoint_dir(source)
+        method = quantization_method(checkpoint)
+        return cls(checkpoint=checkpoint, method=method) if method in ("gptq", "awq") else None
 
 
-def keep_weights_packed(model, source: str, activations: str, cut: ShardCut = whole, device: str = "cpu") -> None:
+def keep_weights_packed(model, packed: PackedSource, activations: str, cut: ShardCut = whole,
+                        device: str = "cpu") -> None:
     """Swap in the source's quantized weights (a GGUF file's blocks, a GPTQ or AWQ
     checkpoint's 4-bit weights; `cut` to a tensor-parallel shard's part) for the float
     layers of `model` (still on the CPU) they reproduce, as layers for `device`."""
-    gguf = resolve_gguf(source)
-    if gguf is not None:
-        kept, origin = keep_gguf_weights_packed(model, gguf, activations, cut, device), gguf.name
+    if packed.gguf is not None:
+        kept, origin = keep_gguf_weights_packed(model, packed.gguf, activations, cut, device), packed.gguf.name
     else:
-        checkpoint = checkpoint_dir(source)
-        method = quantization_method(checkpoint)
-        if method not in ("gptq", "awq"):
-            return
-        kept = keep_int4_weights_packed(model, checkpoint, method, activations, cut, device)
-        origin = f"{method} {checkpoint}"
+        kept = keep_int4_weights_packed(model, packed.checkpoint, packed.method, activations, cut, device)
+        origin = f"{packed.method} {packed.checkpoint}"
     logger.info("kept quantized from %s: %s", origin, dict(kept) or "no layer (float path)")
 
 
@@ -171,7 +180,7 @@ def load_model(
     path = prepare_model_dir(source, cache_dir)
     config = AutoConfig.from_pretrained(path)
     kwargs = {"dtype": resolve_dtype(dtype, device)}
-    packed = quantization == "auto" and device in ("cpu", "cuda") and has_packed_weights(source)
+    packed = PackedSource.of(source) if quantization == "auto" and device in ("cpu", "cuda") else None
     target, device = device, "cpu" if packed else device  # a packed model goes to its device after the swap
     if getattr(config, "vision_config", None) is not None:
         loaded = _load_vision_language(path, device, kwargs, config, attn_implementation)
@@ -187,7 +196,7 @@ def load_model(
         if fused:
             logger.info("fused %d groups of sibling projections", fused)
     if packed:
-        keep_weights_packed(loaded.model, source, quantized_activations, device=target)
+        keep_weights_packed(loaded.model, packed, quantized_activations, device=target)
         loaded.model.to(target)
     if pack_cpu_weights:
         packed = pack_linear_layers(loaded.model)

@@ -79,12 +79,11 @@ def swap_in_packed(model: nn.Module, matched: dict[int, Match], quant: QuantKern
         parts = [matched.get(id(sibling)) for sibling in siblings]
         if any(part is None for part in parts) or len({part.packed.fmt for part in parts}) != 1:
             continue
-        orders = [part.input_order for part in parts]
-        if any(order is not None for order in orders) and not all(
-                order is not None and torch.equal(order, orders[0]) for order in orders):
+        order = parts[0].input_order
+        if not all(_same(part.input_order, order) for part in parts):
             continue  # siblings with other input orders cannot share one product
         fused.linear = _linear(PackedWeight.stacked([part.packed for part in parts]), quant, fused.linear,
-                               activations, orders[0], device)
+                               activations, order, device)
         replaced[fused.linear.format_name] += 1
     return replaced
 
@@ -106,9 +105,18 @@ def _head_and_embedding(model: nn.Module, matched: dict[int, Match], quant: Quan
         return ready
     ready[id(head)] = layer
     embedding_match = matched.get(id(embedding))
-    if embedding_match is not None and embedding_match.packed is head_match.packed and device == "cpu":
+    if embedding_match is not None and device == "cpu" and _same_weight_bytes(embedding_match.packed, head_match.packed):
         ready[id(embedding)] = QuantizedEmbedding(head_match.packed, quant, embedding.weight.dtype, tied_head=layer)
     return ready
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return a is b or (a is not None and b is not None and torch.equal(a, b))
+
+
+def _same_weight_bytes(a: PackedWeight, b: PackedWeight) -> bool:
+    """Tied weights: one object, or (a tensor-parallel shard cuts each) equal blocks."""
+    return a is b or (a.fmt == b.fmt and a.cols == b.cols and torch.equal(a.blocks, b.blocks))
 
 
 def _fused_groups(model: nn.Module) -> dict[FusedProjection, list[ProjectionSlice]]:

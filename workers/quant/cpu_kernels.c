@@ -1,4 +1,5 @@
-/* Products with GGUF block-quantized weights on the CPU (Q4_0, Q4_1, Q8_0).
+/* Products with block-quantized weights on the CPU (GGUF's Q4_0, Q4_1, Q8_0, and Q4_F32 /
+   Q8_F32 holding K-quants and GPTQ/AWQ weights).
 
 The weights stay in the file's blocks (32 weights each, with an fp16 scale and, for Q4_1,
 an fp16 minimum): a decode step reads 4.5-8.5 bits a weight from memory instead of 32.
@@ -125,6 +126,13 @@ static inline void widen_block(int fmt, const uint8_t *b, __m256 w[4]) {
     w[3] = _mm256_fmadd_ps(hi_d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), m);
 }
 
+/* The 32 weights of one block into dst (the AVX2 widening stored). */
+static inline void widen_block_to(int fmt, const uint8_t *b, float *dst) {
+    __m256 v[4];
+    widen_block(fmt, b, v);
+    for (int k = 0; k < 4; k++) _mm256_storeu_ps(dst + 8 * k, v[k]);
+}
+
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -152,6 +160,8 @@ static inline __attribute__((always_inline)) void dot_rows(int fmt, const uint8_
     for (int r = 0; r < rows; r++) y[r * ldy] = hsum(acc[r]);
 }
 
+#else
+#define widen_block_to widen_block_scalar
 #endif
 
 
@@ -271,7 +281,9 @@ int quantized_matmul(int fmt, const uint8_t *w, int64_t N, int64_t K, const floa
    each group, each block of 32 columns takes 8 x the format's block bytes:
      Q4_0: the 8 rows' fp16 scales (16 bytes), then 4 x 32 bytes of quants;
      Q4_1: the 8 scales, the 8 fp16 minimums (16 bytes), then 4 x 32 bytes of quants;
-     Q8_0: the 8 scales, then 8 x 32 bytes of quants.
+     Q8_0: the 8 scales, then 8 x 32 bytes of quants;
+     Q4_F32 / Q8_F32: the 8 rows' float32 fields (32 bytes each) in their row order, then
+     the runs as for Q4 / Q8_0.
    In a 32-byte run of quants, bytes 4r..4r+3 belong to row r: for Q4 run i holds the
    file's bytes 4i..4i+3 of each row's block (low nibbles: columns 4i..4i+3, high nibbles:
    columns 16+4i..16+4i+3); for Q8_0 run g holds columns 4g..4g+3. So one `maddubs` of a
@@ -283,6 +295,7 @@ int quantized_matmul(int fmt, const uint8_t *w, int64_t N, int64_t K, const floa
    call: a row's result does not depend on the batch it is in. */
 #define GROUP_ROWS 8
 #define GEMM_ROWS 4
+#define RUN_BYTES 4  /* a row's bytes in each 32-byte run */
 
 static void quantize_activations_parallel(const float *x, int64_t M, int64_t K, int levels, int8_t *xq,
                                           act_block *meta, int threads) {
@@ -294,20 +307,23 @@ static void quantize_activations_parallel(const float *x, int64_t M, int64_t K, 
     }
 }
 
-/* Weight (lane, column) of an interleaved block, as its integer quant. */
-static inline int interleaved_quant(int fmt, const uint8_t *qs, int lane, int col) {
-    if (is_q8(fmt)) return ((const int8_t *)qs)[32 * (col / 4) + 4 * lane + col % 4];
-    int i = (col % 16) / 4, byte = qs[32 * i + 4 * lane + col % 4];
-    return col < 16 ? (byte & 0x0f) : (byte >> 4);
+/* Row `lane` of an interleaved block put back in the file's row layout (`out`: the
+   format's block bytes): each field is 8 values, one a row; each 32-byte run of quants
+   holds 4 bytes of each row. The portable loops and the embedding's row lookups read
+   blocks this way, through the row layout's own widening. */
+static inline void lane_block(int fmt, const uint8_t *blk, int lane, uint8_t *out) {
+    int width = fmt == FMT_Q4_F32 || fmt == FMT_Q8_F32 ? 4 : 2, fields = fields_bytes(fmt);
+    for (int f = 0; f < fields / width; f++) memcpy(out + f * width, blk + (f * GROUP_ROWS + lane) * width, width);
+    const uint8_t *runs = blk + GROUP_ROWS * fields;
+    for (int run = 0; run < (int)(block_bytes(fmt) - fields) / RUN_BYTES; run++)
+        memcpy(out + fields + RUN_BYTES * run, runs + QK * run + RUN_BYTES * lane, RUN_BYTES);
 }
 
-/* The scales and minimum of row `lane` of an interleaved block: each field is 8 values,
-   one a row, of the row layout's width (fp16 or f32). */
-static inline void lane_fields(int fmt, const uint8_t *blk, int lane, float *d_lo, float *d_hi, float *m) {
-    uint8_t fields[12];
-    int width = fmt == FMT_Q4_F32 || fmt == FMT_Q8_F32 ? 4 : 2;
-    for (int f = 0; f < fields_bytes(fmt) / width; f++) memcpy(fields + f * width, blk + f * GROUP_ROWS * width + lane * width, width);
-    block_fields(fmt, fields, d_lo, d_hi, m);
+/* Column `col`'s integer quant of a row-layout block. */
+static inline int block_quant(int fmt, const uint8_t *b, int col) {
+    const uint8_t *qs = b + fields_bytes(fmt);
+    if (is_q8(fmt)) return ((const int8_t *)qs)[col];
+    return col < QK / 2 ? (qs[col] & 0x0f) : (qs[col - QK / 2] >> 4);
 }
 
 #if defined(__AVX2__) && defined(__F16C__)
@@ -404,14 +420,14 @@ static void group_rows_portable(int fmt, const uint8_t *group, int64_t nblocks, 
     for (int r = 0; r < rows; r++) {
         float acc[GROUP_ROWS] = {0};
         for (int64_t b = 0; b < nblocks; b++) {
-            const uint8_t *blk = group + b * gbb, *qs = blk + GROUP_ROWS * fields_bytes(fmt);
             const act_block *a = meta + r * nblocks + b;
             for (int lane = 0; lane < GROUP_ROWS; lane++) {
+                uint8_t row[64];
+                lane_block(fmt, group + b * gbb, lane, row);
                 int sum[2] = {0, 0};  /* columns 0-15, 16-31 */
-                for (int col = 0; col < QK; col++)
-                    sum[col / 16] += interleaved_quant(fmt, qs, lane, col) * xq[r * K + b * QK + col];
+                for (int col = 0; col < QK; col++) sum[col / 16] += block_quant(fmt, row, col) * xq[r * K + b * QK + col];
                 float d_lo, d_hi, m;
-                lane_fields(fmt, blk, lane, &d_lo, &d_hi, &m);
+                block_fields(fmt, row, &d_lo, &d_hi, &m);
                 acc[lane] += d_lo * a->scale * (float)sum[0] + d_hi * a->scale * (float)sum[1] + m * a->sum;
             }
         }
@@ -486,18 +502,14 @@ int dequantize_interleaved_rows(int fmt, const uint8_t *w, int64_t K, const int6
                                 float *out, int threads) {
     int64_t bb = block_bytes(fmt);
     if (bb < 0 || K % QK) return -1;
-    int64_t nblocks = K / QK, gbb = GROUP_ROWS * bb, qoffset = GROUP_ROWS * fields_bytes(fmt);
+    int64_t nblocks = K / QK, gbb = GROUP_ROWS * bb;
     #pragma omp parallel for schedule(static) num_threads(threads) if (count * K > 65536)
     for (int64_t i = 0; i < count; i++) {
         const uint8_t *group = w + rows[i] / GROUP_ROWS * nblocks * gbb;
-        int lane = (int)(rows[i] % GROUP_ROWS);
         for (int64_t b = 0; b < nblocks; b++) {
-            const uint8_t *blk = group + b * gbb;
-            float d_lo, d_hi, m;
-            lane_fields(fmt, blk, lane, &d_lo, &d_hi, &m);
-            for (int col = 0; col < QK; col++)
-                out[i * K + b * QK + col] = fmaf(col < QK / 2 ? d_lo : d_hi,
-                                                 (float)interleaved_quant(fmt, blk + qoffset, lane, col), m);
+            uint8_t row[64];
+            lane_block(fmt, group + b * gbb, (int)(rows[i] % GROUP_ROWS), row);
+            widen_block_to(fmt, row, out + i * K + b * QK);
         }
     }
     return 0;
@@ -514,15 +526,7 @@ int dequantize_rows(int fmt, const uint8_t *w, int64_t K, const int64_t *rows, i
     for (int64_t i = 0; i < count; i++) {
         const uint8_t *row = w + (rows ? rows[i] : first + i) * row_bytes;
         float *dst = out + i * K;
-        for (int64_t b = 0; b < nblocks; b++) {
-#ifdef __AVX2__
-            __m256 v[4];
-            widen_block(fmt, row + b * bb, v);
-            for (int k = 0; k < 4; k++) _mm256_storeu_ps(dst + b * QK + 8 * k, v[k]);
-#else
-            widen_block_scalar(fmt, row + b * bb, dst + b * QK);
-#endif
-        }
+        for (int64_t b = 0; b < nblocks; b++) widen_block_to(fmt, row + b * bb, dst + b * QK);
     }
     return 0;
 }

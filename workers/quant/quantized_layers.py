@@ -80,7 +80,7 @@ class QuantizedLinear(nn.Module):
             blocks = interleave_rows(torch.cat([blocks, padding]), packed.fmt)
         self.register_buffer("blocks", blocks)  # counted and moved with the model's buffers
         self.register_buffer("input_order", input_order)
-        self.reordered = input_order is not None
+        self.reordered = input_order is not None  # a plain attribute: a buffer's lookup costs on every call
         self.bias = bias
         self.weight = torch.empty(packed.rows, packed.cols, dtype=dtype, device="meta")
 

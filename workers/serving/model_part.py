@@ -15,6 +15,7 @@ from workers.model.cpu_linear import pack_linear_layers
 from workers.model.fused_projections import fuse_sibling_projections
 from workers.model.loader import (
     LoadedModel,
+    PackedSource,
     keep_weights_packed,
     load_model,
     prepare_model_dir,
@@ -59,9 +60,9 @@ def load_part(config: ModelConfig, rank: int) -> tuple[LoadedModel, StageLayers 
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path)
     fuse_sibling_projections(model)  # the direct forward runs fused siblings
-    if config.quantization == "auto" and config.device == "cpu":  # the source's packed weights, this shard's part
-        keep_weights_packed(model, config.source, config.quantized_activations,
-                            weight_cuts(hf_config, layout.position(rank)))
+    packed = PackedSource.of(config.source) if config.quantization == "auto" and config.device == "cpu" else None
+    if packed is not None:  # the source's packed weights, this shard's part
+        keep_weights_packed(model, packed, config.quantized_activations, weight_cuts(hf_config, layout.position(rank)))
     if config.pack_cpu_weights:
         pack_linear_layers(model)
     return LoadedModel(model=model, tokenizer=AutoTokenizer.from_pretrained(path), path=path), stage
