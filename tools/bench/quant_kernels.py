@@ -1,6 +1,7 @@
 """One pass over a GGUF file's matrices through each quantized product, against the float
 model's oneDNN-packed product of the same weights: where workers/quant/quantized_layers.py's
-figures come from.
+figures come from. The `fp8` column: the same matrices rounded to e4m3 with a scale per
+row (an FP8 checkpoint's per-channel layout, workers/quant/fp8_blocks.py).
 
     python -m tools.bench.quant_kernels [--gguf FILE] [--rows 1 16 32 64 256]
 
@@ -18,11 +19,13 @@ import torch
 
 from workers.contract.model_config import BUILTIN_DEFAULT_MODEL
 from workers.model.loader import resolve_gguf
+from workers.quant.fp8_blocks import fp8_blocks
 from workers.quant.native_kernels import kernels
 from workers.quant.packed_weights import read_gguf_weights
 from workers.quant.quantized_layers import QuantizedLinear
 
 ACTIVATIONS = ("int8", "int8x2", "float32")
+COLUMNS = (*ACTIVATIONS, "fp8", "onednn_float32")
 HEADS = ("token_embd.weight", "output.weight")
 
 
@@ -42,6 +45,8 @@ def measure(gguf: Path, rows: list[int], repeats: int) -> list[dict]:
     weights = [w for name, w in read_gguf_weights(gguf).items() if name not in HEADS]
     layers = {mode: [QuantizedLinear(w, quant, None, torch.float32, mode) for w in weights] for mode in ACTIVATIONS}
     onednn = [torch.ops.mkldnn._reorder_linear_weight(layer.dequantized(), None) for layer in layers["float32"]]
+    layers["fp8"] = [QuantizedLinear(_fp8(layer.dequantized()), quant, None, torch.float32)
+                     for layer in layers["float32"]]
     results = []
     for count in rows:
         inputs = {cols: torch.randn(count, cols) for cols in {w.cols for w in weights}}
@@ -55,6 +60,11 @@ def measure(gguf: Path, rows: list[int], repeats: int) -> list[dict]:
     return results
 
 
+def _fp8(weight: torch.Tensor):
+    scale = weight.abs().amax(1, keepdim=True).clamp_min(1e-12) / 448  # e4m3's largest value
+    return fp8_blocks((weight / scale).to(torch.float8_e4m3fn), scale)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gguf", type=Path, help="default: the built-in model's file")
@@ -63,10 +73,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     gguf = args.gguf or resolve_gguf(BUILTIN_DEFAULT_MODEL)
     print(f"{gguf.name}, {torch.get_num_threads()} threads, ms for one pass (best of {args.repeats})")
-    print("| rows | " + " | ".join(ACTIVATIONS) + " | oneDNN float32 |")
-    print("| --- |" + " --- |" * (len(ACTIVATIONS) + 1))
+    print("| rows | " + " | ".join(COLUMNS) + " |")
+    print("| --- |" + " --- |" * len(COLUMNS))
     for row in measure(gguf, args.rows, args.repeats):
-        cells = [f"{row[mode]:.1f}" for mode in (*ACTIVATIONS, "onednn_float32")]
+        cells = [f"{row[mode]:.1f}" for mode in COLUMNS]
         print(f"| {row['rows']} | " + " | ".join(cells) + " |")
 
 

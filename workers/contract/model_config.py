@@ -281,17 +281,17 @@ class ModelConfig(_Strict):
         "faster), float32 where a load-time probe finds it faster on this CPU")
     quantization: Literal["auto", "none"] = Field(
         "auto", description="auto: on a CPU, a GGUF file's Q4_0, Q4_1, Q8_0 weights stay in their blocks (Q4_K, Q5_K, "
-        "Q6_K, and GPTQ/AWQ 4-bit weights with groups of 32n inputs, in blocks of 32 with float32 scales) and multiply "
-        "through chatserve's C kernels (built once with the host's gcc; the default model's weights take 97 MB "
-        "instead of 540); on CUDA the same weights multiply through a Triton kernel; other formats (FP8 included) "
-        "load as floats. none: the float copy")
+        "Q6_K, GPTQ/AWQ 4-bit weights with groups of 32n inputs, and FP8 e4m3 weights with per-tensor, per-row or "
+        "32n-wide block scales, in blocks of 32 with float32 scales) and multiply through chatserve's C kernels "
+        "(built once with the host's gcc; the default model's weights take 97 MB instead of 540); on CUDA the same "
+        "weights multiply through a Triton kernel; other formats load as floats. none: the float copy")
     quantized_activations: Literal["int8x2", "int8", "float32"] = Field(
         "int8x2", description="quantization auto, how the quantized linears take their input: int8 rounds it to 8 "
         "bits a block and multiplies as integers, as llama.cpp does (fastest: 2-5x the float copy's products on a "
         "2-core AVX2 CPU; its rounding can change greedy text, the default model's first answer included); int8x2 "
         "also multiplies what that rounding left out (within ~2e-5 of float; 1-5x the float copy's speed); float32 "
         "multiplies the dequantized weights exactly (the float copy's speed). The output layer never takes int8's "
-        "single rounding (int8x2 then)")
+        "single rounding (int8x2 then); FP8 weights always take float32")
     fuse_projections: bool = Field(
         True, description="run each layer's q/k/v projections, and its gate/up projections, as one matrix "
         "multiply each (fewer, wider weight passes)")

@@ -27,11 +27,11 @@ from transformers import (
 )
 
 from workers.contract.model_config import BUILTIN_DEFAULT_MODEL, default_cache_dir
+from workers.model.checkpoint_packing import keep_checkpoint_weights_packed
 from workers.model.cpu_linear import has_native_bf16_matmul, pack_linear_layers
 from workers.model.fused_projections import fuse_sibling_projections
 from workers.model.gguf_packing import keep_gguf_weights_packed
 from workers.model.hub_source import HubId, resolve_hub_gguf, resolve_hub_model
-from workers.model.int4_packing import keep_int4_weights_packed
 from workers.model.model_cache import converted_once
 from workers.model.packed_swap import ShardCut, whole
 from workers.model.quantized_checkpoint import (
@@ -114,32 +114,33 @@ def checkpoint_dir(source: str) -> Path:
 
 @dataclass(frozen=True)
 class PackedSource:
-    """Where a source's packed weights are: a GGUF file, or a GPTQ/AWQ checkpoint directory."""
+    """Where a source's packed weights are: a GGUF file, or a GPTQ/AWQ/FP8 checkpoint directory."""
     gguf: Path | None = None
     checkpoint: Path | None = None
-    method: str | None = None  # gptq or awq, with `checkpoint`
+    method: str | None = None  # gptq, awq or fp8, with `checkpoint`
 
     @classmethod
     def of(cls, source: str) -> "PackedSource | None":
         """`source`'s packed weights, resolved once; None for a source with none (a plain
-        checkpoint, or FP8, whose float8 weights are not kept packed)."""
+        checkpoint)."""
         gguf = resolve_gguf(source)
         if gguf is not None:
             return cls(gguf=gguf)
         checkpoint = checkpoint_dir(source)
         method = quantization_method(checkpoint)
-        return cls(checkpoint=checkpoint, method=method) if method in ("gptq", "awq") else None
+        return cls(checkpoint=checkpoint, method=method) if method is not None else None
 
 
 def keep_weights_packed(model, packed: PackedSource, activations: str, cut: ShardCut = whole,
                         device: str = "cpu") -> None:
     """Swap in the source's quantized weights (a GGUF file's blocks, a GPTQ or AWQ
-    checkpoint's 4-bit weights; `cut` to a tensor-parallel shard's part) for the float
-    layers of `model` (still on the CPU) they reproduce, as layers for `device`."""
+    checkpoint's 4-bit weights, an FP8 one's e4m3 codes; `cut` to a tensor-parallel
+    shard's part) for the float layers of `model` (still on the CPU) they reproduce, as
+    layers for `device`."""
     if packed.gguf is not None:
         kept, origin = keep_gguf_weights_packed(model, packed.gguf, activations, cut, device), packed.gguf.name
     else:
-        kept = keep_int4_weights_packed(model, packed.checkpoint, packed.method, activations, cut, device)
+        kept = keep_checkpoint_weights_packed(model, packed.checkpoint, packed.method, activations, cut, device)
         origin = f"{packed.method} {packed.checkpoint}"
     logger.info("kept quantized from %s: %s", origin, dict(kept) or "no layer (float path)")
 
@@ -168,10 +169,11 @@ def load_model(
     quantized_activations: str = "int8x2",
 ) -> LoadedModel:
     """`quantization`: `auto` keeps a GGUF file's Q4_0/Q4_1/Q8_0 (and, rewritten, Q4_K/Q5_K/
-    Q6_K) weights, or a GPTQ/AWQ checkpoint's 4-bit weights, in blocks (workers/quant/): on
-    a CPU multiplied by the C kernels, taking the activations as `quantized_activations`
-    says (int8x2, int8 or float32, workers/quant/quantized_layers.py); on CUDA by a Triton
-    kernel (the model is swapped on the CPU, then moved); `none` runs the float conversion. `fuse_projections`:
+    Q6_K) weights, a GPTQ/AWQ checkpoint's 4-bit weights, or an FP8 one's e4m3 codes, in
+    blocks (workers/quant/): on a CPU multiplied by the C kernels, taking the activations
+    as `quantized_activations` says (int8x2, int8 or float32, workers/quant/
+    quantized_layers.py; FP8 always float32); on CUDA by a Triton kernel (the model is
+    swapped on the CPU, then moved); `none` runs the float conversion. `fuse_projections`:
     each layer's q/k/v and gate/up projections run as one matrix multiply each
     (workers/model/fused_projections.py). `pack_cpu_weights`: a CPU model's linear weights
     are packed for oneDNN once (workers/model/cpu_linear.py): always in bfloat16 (the same

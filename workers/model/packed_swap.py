@@ -1,7 +1,7 @@
 """Swap a float model's linears and embeddings for quantized layers holding packed weights
 (workers/quant/), once each packed weight has been matched to the module it replaces.
 
-Shared by the GGUF (gguf_packing.py) and GPTQ/AWQ (int4_packing.py) sources: the float
+Shared by the GGUF (gguf_packing.py) and GPTQ/AWQ/FP8 (checkpoint_packing.py) sources: the float
 model is the skeleton (config, norms, structure, and the reference every packed weight is
 checked against); fused sibling projections (fused_projections.py) are replaced whole, by
 their siblings' stacked rows, when every sibling has a packed weight in one format and

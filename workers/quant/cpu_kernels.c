@@ -1,5 +1,5 @@
-/* Products with block-quantized weights on the CPU (GGUF's Q4_0, Q4_1, Q8_0, and Q4_F32 /
-   Q8_F32 holding K-quants and GPTQ/AWQ weights).
+/* Products with block-quantized weights on the CPU (GGUF's Q4_0, Q4_1, Q8_0, Q4_F32 /
+   Q8_F32 holding K-quants and GPTQ/AWQ weights, and F8_F32 holding FP8 checkpoints).
 
 The weights stay in the file's blocks (32 weights each, with an fp16 scale and, for Q4_1,
 an fp16 minimum): a decode step reads 4.5-8.5 bits a weight from memory instead of 32.
@@ -27,8 +27,10 @@ so both share one thread pool. */
    weights with float32 fields (packed_weights.py converts them at load):
    Q4_F32 (Q4_K): f32 scale d, f32 minimum m, 16 bytes of 4-bit q (Q4_1's order): w = d q + m;
    Q8_F32 (Q5_K, Q6_K): f32 scales d_lo (columns 0-15) and d_hi (16-31), f32 minimum m, 32
-   signed bytes q: w = d q + m. */
-enum { FMT_Q4_0 = 2, FMT_Q4_1 = 3, FMT_Q8_0 = 8, FMT_Q4_F32 = 103, FMT_Q8_F32 = 108 };
+   signed bytes q: w = d q + m;
+   F8_F32 (an FP8 checkpoint's weights): f32 scale d, 32 float8 e4m3 codes e: w = d e.
+   Its codes are not integers, so it has only the float products (never interleaved). */
+enum { FMT_Q4_0 = 2, FMT_Q4_1 = 3, FMT_Q8_0 = 8, FMT_Q4_F32 = 103, FMT_Q8_F32 = 108, FMT_F8_F32 = 130 };
 #define QK 32
 #define MAX_ROWS 8  /* activation rows that share one widening of a block */
 
@@ -55,12 +57,21 @@ static inline float read_f32(const uint8_t *p) { float v; memcpy(&v, p, 4); retu
 
 static inline int is_q8(int fmt) { return fmt == FMT_Q8_0 || fmt == FMT_Q8_F32; }
 
+/* An e4m3 code (sign, 4 exponent bits with bias 7, 3 mantissa bits) as the fp16 bits of
+   its value / 256: the exponent and mantissa moved into fp16's fields (bias 15), so the
+   8 more of bias is a factor 2^-8 for normal and subnormal codes alike. The 256 goes
+   into the block's scale (exact: a power of two), so widening is one F16C conversion
+   and the product d * e is rounded once, as torch's `weight.float() * scale`. */
+static inline uint16_t e4m3_half_bits(uint8_t e) { return (uint16_t)(((e & 0x80) << 8) | ((e & 0x7f) << 7)); }
+#define E4M3_HALF_SCALE 256.0f
+
 /* Bytes of the scale and minimum fields ahead of a block's quants (file's row layout). */
 static inline int fields_bytes(int fmt) {
     switch (fmt) {
         case FMT_Q4_1: return 4;
         case FMT_Q4_F32: return 8;
         case FMT_Q8_F32: return 12;
+        case FMT_F8_F32: return 4;
         default: return 2;
     }
 }
@@ -70,6 +81,7 @@ static inline void block_fields(int fmt, const uint8_t *b, float *d_lo, float *d
     switch (fmt) {
         case FMT_Q4_F32: *d_lo = *d_hi = read_f32(b); *m = read_f32(b + 4); return;
         case FMT_Q8_F32: *d_lo = read_f32(b); *d_hi = read_f32(b + 4); *m = read_f32(b + 8); return;
+        case FMT_F8_F32: *d_lo = *d_hi = read_f32(b) * E4M3_HALF_SCALE; *m = 0.0f; return;
         default:
             *d_lo = *d_hi = half_to_float(read_u16(b));
             *m = fmt == FMT_Q4_1 ? half_to_float(read_u16(b + 2)) : fmt == FMT_Q4_0 ? -8.0f * *d_lo : 0.0f;
@@ -83,6 +95,7 @@ static int64_t block_bytes(int fmt) {
         case FMT_Q8_0: return 34;
         case FMT_Q4_F32: return 24;
         case FMT_Q8_F32: return 44;
+        case FMT_F8_F32: return 36;
         default: return -1;
     }
 }
@@ -92,6 +105,10 @@ static inline void widen_block_scalar(int fmt, const uint8_t *b, float *out) {
     float d_lo, d_hi, m;
     block_fields(fmt, b, &d_lo, &d_hi, &m);
     const uint8_t *qs = b + fields_bytes(fmt);
+    if (fmt == FMT_F8_F32) {
+        for (int j = 0; j < QK; j++) out[j] = d_lo * half_to_float(e4m3_half_bits(qs[j]));
+        return;
+    }
     if (is_q8(fmt)) {
         const int8_t *q = (const int8_t *)qs;
         for (int j = 0; j < QK; j++) out[j] = fmaf(j < QK / 2 ? d_lo : d_hi, (float)q[j], m);
@@ -109,6 +126,16 @@ static inline void widen_block(int fmt, const uint8_t *b, __m256 w[4]) {
     block_fields(fmt, b, &d_lo, &d_hi, &m_scalar);
     const __m256 lo_d = _mm256_set1_ps(d_lo), hi_d = _mm256_set1_ps(d_hi), m = _mm256_set1_ps(m_scalar);
     const uint8_t *qs = b + fields_bytes(fmt);
+    if (fmt == FMT_F8_F32) {
+        for (int half = 0; half < 2; half++) {
+            __m256i e = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qs + 16 * half)));
+            __m256i bits = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(e, _mm256_set1_epi16(0x80)), 8),
+                                           _mm256_slli_epi16(_mm256_and_si256(e, _mm256_set1_epi16(0x7f)), 7));
+            w[2 * half] = _mm256_mul_ps(lo_d, _mm256_cvtph_ps(_mm256_castsi256_si128(bits)));
+            w[2 * half + 1] = _mm256_mul_ps(lo_d, _mm256_cvtph_ps(_mm256_extracti128_si256(bits, 1)));
+        }
+        return;
+    }
     if (is_q8(fmt)) {
         __m256i q = _mm256_loadu_si256((const __m256i *)qs);
         __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
@@ -472,7 +499,7 @@ int64_t interleaved_matmul_work_bytes(int64_t M, int64_t K, int levels) {
 int interleaved_matmul(int fmt, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M, float *y,
                        void *work, int levels, int threads) {
     int64_t bb = block_bytes(fmt);
-    if (bb < 0 || K % QK || N % GROUP_ROWS || (levels != 1 && levels != 2)) return -1;
+    if (bb < 0 || fmt == FMT_F8_F32 || K % QK || N % GROUP_ROWS || (levels != 1 && levels != 2)) return -1;
     int64_t nblocks = K / QK, groups = N / GROUP_ROWS, group_bytes = GROUP_ROWS * nblocks * bb;
     int8_t *xq = (int8_t *)work;
     act_block *meta = (act_block *)(xq + M * levels * K);
@@ -501,7 +528,7 @@ int interleaved_matmul(int fmt, const uint8_t *w, int64_t N, int64_t K, const fl
 int dequantize_interleaved_rows(int fmt, const uint8_t *w, int64_t K, const int64_t *rows, int64_t count,
                                 float *out, int threads) {
     int64_t bb = block_bytes(fmt);
-    if (bb < 0 || K % QK) return -1;
+    if (bb < 0 || fmt == FMT_F8_F32 || K % QK) return -1;
     int64_t nblocks = K / QK, gbb = GROUP_ROWS * bb;
     #pragma omp parallel for schedule(static) num_threads(threads) if (count * K > 65536)
     for (int64_t i = 0; i < count; i++) {

@@ -16,15 +16,17 @@ import torch
 
 from workers.quant.k_quants import CONVERTED_FORMAT, Q4_F32, Q8_F32, convert_k_quant
 
+F8_F32 = 130  # cpu_kernels.c's block of an FP8 checkpoint: float32 scale, 32 float8 e4m3 codes
 # format id -> bytes per block of 32 weights: the formats cpu_kernels.c multiplies (ggml's
-# type ids, and k_quants.py's float-field blocks holding the K-quants).
-BLOCK_BYTES = {2: 18, 3: 20, 8: 34, Q4_F32: 24, Q8_F32: 44}
-FORMAT_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", Q4_F32: "Q4_F32", Q8_F32: "Q8_F32"}
+# type ids, k_quants.py's float-field blocks holding the K-quants, fp8_blocks.py's).
+BLOCK_BYTES = {2: 18, 3: 20, 8: 34, Q4_F32: 24, Q8_F32: 44, F8_F32: 36}
+FORMAT_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", Q4_F32: "Q4_F32", Q8_F32: "Q8_F32", F8_F32: "F8_E4M3"}
+INTEGER_FORMATS = {2, 3, 8, Q4_F32, Q8_F32}  # quants the 8-bit GEMM multiplies as integers
 BLOCK_WEIGHTS = 32
 GROUP_ROWS = 8  # rows interleaved together for the 8-bit GEMM (cpu_kernels.c)
 # the fields ahead of each block's quants: (bytes of one, how many): fp16 scale (and Q4_1's
 # minimum); float32 scale(s) and minimum
-FIELDS = {2: (2, 1), 3: (2, 2), 8: (2, 1), Q4_F32: (4, 2), Q8_F32: (4, 3)}
+FIELDS = {2: (2, 1), 3: (2, 2), 8: (2, 1), Q4_F32: (4, 2), Q8_F32: (4, 3), F8_F32: (4, 1)}
 RUN_BYTES = 4  # a row's bytes in each 32-byte run of an interleaved block
 
 

@@ -30,6 +30,7 @@ from torch import nn
 from workers.quant.native_kernels import QuantKernels
 from workers.quant.packed_weights import (
     GROUP_ROWS,
+    INTEGER_FORMATS,
     PackedWeight,
     deinterleave_rows,
     interleave_rows,
@@ -71,6 +72,8 @@ class QuantizedLinear(nn.Module):
                  activations: str = "int8x2", input_order: torch.Tensor | None = None):
         super().__init__()
         self.fmt, self.format_name, self.kernels = packed.fmt, packed.format_name, kernels
+        if packed.fmt not in INTEGER_FORMATS:
+            activations = "float32"  # FP8 codes are not integers: the float products only
         self.activations = activations
         self.levels = ACTIVATION_LEVELS.get(activations, 0)  # 0: float32 activations, the file's rows
         self.in_features, self.out_features = packed.cols, packed.rows
@@ -177,7 +180,7 @@ class DeviceQuantizedLinear(nn.Module):
                  input_order: torch.Tensor | None = None):
         super().__init__()
         blocks = DeviceBlocks.of(packed, "cpu")  # moved with the model
-        self.format_name, self.group, self.four_bit = packed.format_name, blocks.group, blocks.four_bit
+        self.format_name, self.group, self.kind = packed.format_name, blocks.group, blocks.kind
         self.in_features, self.out_features = packed.cols, packed.rows
         self.register_buffer("quants", blocks.quants)
         self.register_buffer("scales", blocks.scales)
@@ -188,7 +191,7 @@ class DeviceQuantizedLinear(nn.Module):
         self.weight = torch.empty(packed.rows, packed.cols, dtype=dtype, device="meta")
 
     def device_blocks(self) -> DeviceBlocks:
-        return DeviceBlocks(self.quants, self.scales, self.minimums, self.group, self.four_bit)
+        return DeviceBlocks(self.quants, self.scales, self.minimums, self.group, self.kind)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)

@@ -265,10 +265,13 @@ def is_linear(name: str) -> bool:
     return name.endswith(".weight") and name.removesuffix(".weight").rpartition(".")[2] in LINEARS
 
 
-def quantize_model(float_dir: Path, method: str, model_dir: Path, twin_dir: Path, shards: int = 1) -> dict:
+def quantize_model(float_dir: Path, method: str, model_dir: Path, twin_dir: Path, shards: int = 1,
+                   fp8_scheme: str = "block") -> dict:
     """Write `float_dir`'s model with every decoder linear quantized in `method` at
     `model_dir`, and at `twin_dir` the same model with those weights replaced by this file's
-    dequantized references; return the quantization_config used."""
+    dequantized references; return the quantization_config used. `fp8_scheme`: block (32 x
+    32 blocks, weight_scale_inv), block128 (DeepSeek's 128 x 128: one partial block here),
+    tensor or channel (weight_scale)."""
     config = json.loads((float_dir / "config.json").read_text())
     assert config["hidden_size"] % 32 == 0 and config["intermediate_size"] % 32 == 0
     assert config["num_key_value_heads"] * config["head_dim"] % 32 == 0
@@ -276,8 +279,11 @@ def quantize_model(float_dir: Path, method: str, model_dir: Path, twin_dir: Path
         "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True, "sym": False,
                  "checkpoint_format": "gptq"},
         "awq": {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm", "zero_point": True},
-        "fp8": {"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [32, 32]},
+        "fp8": {"quant_method": "fp8", "activation_scheme": "static"},
     }[method]
+    block = {"block": (32, 32), "block128": (128, 128)}.get(fp8_scheme)
+    if method == "fp8" and block:
+        settings["weight_block_size"] = list(block)
     quantized, twin = {}, {}
     for number, (name, tensor) in enumerate(load_file(float_dir / "model.safetensors").items()):
         if not is_linear(name):
@@ -289,8 +295,9 @@ def quantize_model(float_dir: Path, method: str, model_dir: Path, twin_dir: Path
         elif method == "awq":
             tensors, reference = quantize_awq(tensor, 32)
         else:
-            weight, scale, expanded = quantize_fp8(tensor, "block", (32, 32))
-            tensors = {"weight": weight, "weight_scale_inv": scale, "input_scale": torch.tensor(0.01 * number)}
+            weight, scale, expanded = quantize_fp8(tensor, "block" if block else fp8_scheme, block)
+            tensors = {"weight": weight, "weight_scale_inv" if block else "weight_scale": scale,
+                       "input_scale": torch.tensor(0.01 * number)}
             reference = weight.float() * expanded
         quantized.update({f"{prefix}.{part}": value for part, value in tensors.items()})
         twin[name] = reference
@@ -394,20 +401,23 @@ def test_a_large_checkpoint_is_written_as_shards_in_the_configs_dtype(float_dir,
 
 
 @pytest.mark.skipif(kernels() is None, reason="no C compiler to build the quantized kernels")
-@pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_gptq_and_awq_weights_stay_packed_on_a_cpu(float_dir, tmp_path, method):
-    """quantization: auto keeps every decoder linear in 4-bit blocks (GPTQ's act-order as an
-    input order, q/k/v and gate/up fused), and the model generates what its float twin does."""
+@pytest.mark.parametrize("method, fp8_scheme", [("gptq", None), ("awq", None), ("fp8", "block"),
+                                                ("fp8", "block128"), ("fp8", "tensor"), ("fp8", "channel")])
+def test_quantized_weights_stay_packed_on_a_cpu(float_dir, tmp_path, method, fp8_scheme):
+    """quantization: auto keeps every decoder linear in blocks (4-bit ones for GPTQ/AWQ,
+    GPTQ's act-order as an input order; e4m3 codes for FP8 at each scale granularity; q/k/v
+    and gate/up fused), and the model generates what its float twin does."""
     model_dir, twin_dir, cache = tmp_path / f"tiny-{method}", tmp_path / "twin", tmp_path / "cache"
-    quantize_model(float_dir, method, model_dir, twin_dir)
+    quantize_model(float_dir, method, model_dir, twin_dir, fp8_scheme=fp8_scheme)
     loaded = load_model(str(model_dir), dtype="float32", cache_dir=cache, pack_cpu_weights=False,
-                        quantized_activations="float32")
+                        quantized_activations="float32" if method != "fp8" else "int8x2")
     reference = load_model(str(twin_dir), dtype="float32", cache_dir=cache, pack_cpu_weights=False)
     layers = [m for m in loaded.model.modules() if isinstance(m, QuantizedLinear)]
     config = loaded.model.config
     assert len(layers) == 4 * config.num_hidden_layers  # q/k/v fused, o, gate/up fused, down
     assert all(layer.reordered == (method == "gptq") for layer in layers)
-    assert all(layer.format_name == "Q4_F32" for layer in layers)
+    assert all(layer.format_name == ("F8_E4M3" if method == "fp8" else "Q4_F32") for layer in layers)
+    assert all(layer.activations == "float32" for layer in layers)  # FP8 codes: the float products only
     assert greedy_tokens(loaded) == greedy_tokens(reference)
 
 
@@ -427,6 +437,44 @@ def test_int4_weights_become_blocks_that_dequantize_to_the_reference(group_size,
     torch.testing.assert_close(layer(x), x @ reference.t(), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.skipif(kernels() is None, reason="no C compiler to build the quantized kernels")
+@pytest.mark.parametrize("scheme, block", [("tensor", None), ("channel", None), ("block", (128, 128)),
+                                           ("block", (64, 96)), ("block", (32, 32))])
+def test_fp8_weights_become_blocks_that_dequantize_to_the_reference(scheme, block):
+    """Every e4m3 code (NaN aside) once at least, each scale granularity: the blocks widen to
+    torch's `codes.float() * scale` bit for bit; products of 1, 5 and 40 rows (the kernel's
+    and the sliced path) equal the dequantized float product."""
+    from workers.quant.fp8_blocks import fp8_blocks
+
+    weight = random_weight(72, 320, seed=5)
+    quantized, scale, expanded = quantize_fp8(weight, scheme, block or (128, 128))
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F].view(torch.float8_e4m3fn)  # 0x7f / 0xff are e4m3fn's NaN
+    quantized.view(-1)[:codes.numel()] = codes
+    packed = fp8_blocks(quantized, scale, block)
+    reference = quantized.float() * expanded
+    layer = QuantizedLinear(packed, kernels(), None, torch.float32, "int8x2")
+    assert torch.equal(layer.dequantized(), reference)
+    for rows in (1, 5, 40):
+        x = torch.randn(rows, 320, generator=torch.Generator().manual_seed(rows))
+        torch.testing.assert_close(layer(x), x @ reference.t(), rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_blocks_refuse_what_they_cannot_hold_exactly():
+    from workers.quant.fp8_blocks import fp8_blocks
+
+    quantized, scale, _ = quantize_fp8(random_weight(64, 128), "block", (64, 16))
+    assert fp8_blocks(quantized, scale, (64, 16)) is None  # 16-wide scale blocks split a block of 32
+    quantized, scale, _ = quantize_fp8(random_weight(64, 128), "block", (64, 48))
+    assert fp8_blocks(quantized, scale, (64, 48)) is None  # a block of 32 would span two scales
+    assert fp8_blocks(quantized, scale, (32, 32)) is None  # scales of another shape
+    quantized, scale, _ = quantize_fp8(random_weight(64, 112), "channel")
+    assert fp8_blocks(quantized, scale) is None  # 112 inputs: not whole blocks
+    quantized, scale, _ = quantize_fp8(random_weight(64, 128), "channel")
+    assert fp8_blocks(quantized.to(torch.float8_e5m2), scale) is None  # e5m2 stays float
+    assert fp8_blocks(quantized, scale[:3]) is None
+
+
 def test_int4_groups_smaller_than_a_block_are_not_packed():
     from workers.quant.int4_blocks import int4_blocks
 
@@ -436,10 +484,10 @@ def test_int4_groups_smaller_than_a_block_are_not_packed():
 
 
 @pytest.mark.skipif(kernels() is None, reason="no C compiler to build the quantized kernels")
-@pytest.mark.parametrize("method", ["awq", "gptq"])
+@pytest.mark.parametrize("method", ["awq", "gptq", "fp8"])
 def test_a_tensor_parallel_shard_keeps_its_part_of_the_weights_packed(float_dir, tmp_path, method):
     """Each of two shards holds its rows (q/k/v, gate/up) and input columns (o, down) of the
-    4-bit weights, equal to the float shard's; GPTQ's act-order inputs cannot be cut by
+    quantized weights, equal to the float shard's; GPTQ's act-order inputs cannot be cut by
     column, so o and down stay float there."""
     from workers.contract.model_config import ModelConfig
     from workers.serving.model_part import load_part
@@ -454,6 +502,6 @@ def test_a_tensor_parallel_shard_keeps_its_part_of_the_weights_packed(float_dir,
         floats = dict(shards["none"].named_modules())
         packed = {name: m for name, m in shards["auto"].named_modules() if isinstance(m, QuantizedLinear)}
         layers = shards["auto"].config.num_hidden_layers
-        assert len(packed) == (4 if method == "awq" else 2) * layers
+        assert len(packed) == (2 if method == "gptq" else 4) * layers
         for name, layer in packed.items():
             assert torch.equal(layer.dequantized(), floats[name].weight), name

@@ -218,6 +218,24 @@ def test_portable_build_computes_what_the_native_one_does(tmp_path, fmt):
         assert _relative_error(got, native.interleaved_matmul(packed.fmt, interleaved, 48, 256, x, levels)) < 1e-5
 
 
+def test_portable_build_widens_every_e4m3_code_as_torch_does(tmp_path):
+    """FP8 blocks (fp8_blocks.py) through the portable loops, whose fp16 conversion is
+    software (no F16C), subnormal codes included."""
+    from workers.quant.fp8_blocks import fp8_blocks
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F].repeat(49)[:48 * 256].view(torch.float8_e4m3fn).view(48, 256)
+    scale = torch.rand(48, 1, generator=torch.Generator().manual_seed(4))
+    packed, reference = fp8_blocks(codes, scale), codes.float() * scale
+    portable = _portable_kernels(tmp_path)
+    assert torch.equal(portable.dequantize(packed.fmt, packed.blocks, 256, torch.empty(48, 256)), reference)
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(portable.matmul(packed.fmt, packed.blocks, 256, x), x @ reference.t(),
+                               rtol=1e-4, atol=1e-3)
+    with pytest.raises(ValueError, match="interleaved_matmul: format 130"):  # codes are not integers
+        portable.interleaved_matmul(packed.fmt, packed.blocks, 48, 256, x, 1)
+
+
 @pytest.mark.parametrize("fmt", K_QUANTS, ids=lambda f: f.name)
 def test_k_quants_are_rewritten_exactly(fmt):
     """Q4_K/Q5_K/Q6_K super-blocks become blocks of 32 with float32 fields that dequantize

@@ -29,6 +29,7 @@ from tests.unit.model.test_quantized_weights import (  # noqa: E402
     _twin_pair,
 )
 from workers.model.gguf_packing import keep_gguf_weights_packed  # noqa: E402
+from workers.quant.fp8_blocks import fp8_blocks  # noqa: E402
 from workers.quant.native_kernels import kernels  # noqa: E402
 from workers.quant.quantized_layers import DeviceQuantizedLinear  # noqa: E402
 from workers.quant.triton_matmul import DeviceBlocks, dequantized_matmul  # noqa: E402
@@ -48,7 +49,7 @@ def test_kernels_under_interpreter():
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", __file__]
     result = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
-    assert "8 passed" in result.stdout, result.stdout[-2000:]  # every case ran
+    assert "9 passed" in result.stdout, result.stdout[-2000:]  # every case ran
 
 
 def _weight(fmt, rows: int = 72, cols: int = 256):
@@ -66,6 +67,21 @@ def test_device_blocks_widen_to_ggufs_floats_and_multiply(fmt):
     torch.testing.assert_close(dequantized_matmul(x.to(DEVICE), blocks).cpu(), want, rtol=1e-4, atol=1e-4)
     half = dequantized_matmul(x.half().to(DEVICE), blocks).cpu().float()
     torch.testing.assert_close(half, x.half().float() @ reference.half().float().t(), rtol=2e-2, atol=2e-2)
+
+
+@interpreted_or_gpu
+def test_fp8_device_blocks_widen_every_e4m3_code_and_multiply():
+    """Every e4m3 code (NaN aside), with 32 x 32 block scales: the kernel's widening of the
+    codes' bits equals torch's `codes.float() * scale`."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F].repeat(40)[:72 * 128].view(torch.float8_e4m3fn).view(72, 128)
+    scale = torch.rand(3, 4, generator=torch.Generator().manual_seed(2)) * 0.01
+    reference = codes.float() * scale.repeat_interleave(32, 0)[:72].repeat_interleave(32, 1)
+    blocks = DeviceBlocks.of(fp8_blocks(codes, scale, (32, 32)), DEVICE)
+    assert torch.equal(blocks.dequantized().cpu(), reference)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(dequantized_matmul(x.to(DEVICE), blocks).cpu(), x @ reference.t(),
+                               rtol=1e-4, atol=1e-4)
 
 
 @interpreted_or_gpu

@@ -1,11 +1,12 @@
-"""Swap a float model's linears, loaded from a GPTQ or AWQ checkpoint's float copy
-(quantized_checkpoint.py), for layers holding the checkpoint's 4-bit weights
-(workers/quant/int4_blocks.py, packed_swap.py).
+"""Swap a float model's linears, loaded from a GPTQ, AWQ or FP8 checkpoint's float copy
+(quantized_checkpoint.py), for layers holding the checkpoint's own weights: 4-bit ones
+(workers/quant/int4_blocks.py) or float8 codes (workers/quant/fp8_blocks.py), through
+packed_swap.py.
 
-The checkpoint's packed tensors are read again (memory-mapped) and rewritten into blocks;
-each is checked against the float copy's weight it replaces, rounded as that copy was
-(to the config's dtype), so a module name or layout that does not hold keeps the layer in
-float instead of computing wrong numbers.
+The checkpoint's quantized tensors are read again (memory-mapped) and rewritten into
+blocks; each is checked against the float copy's weight it replaces, rounded as that copy
+was (to the config's dtype), so a module name or layout that does not hold keeps the layer
+in float instead of computing wrong numbers.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from workers.model.quantized_checkpoint import (
     unpack_int4_rows,
     weight_files,
 )
+from workers.quant.fp8_blocks import fp8_blocks
 from workers.quant.int4_blocks import int4_blocks
 from workers.quant.native_kernels import QuantKernels, kernels
 from workers.quant.quantized_layers import natural_columns
@@ -42,9 +44,15 @@ from workers.quant.quantized_layers import natural_columns
 logger = logging.getLogger(__name__)
 
 
-def keep_int4_weights_packed(model: nn.Module, checkpoint: Path, method: str, activations: str = "int8x2",
-                             cut: ShardCut = whole, device: str = "cpu") -> Counter:
-    """Replace, in place, each linear of `model` (fused groups whole) whose GPTQ or AWQ
+# The tensors of one quantized linear, by the suffix after its module's name.
+INT4_PARTS = ("qweight", "qzeros", "scales", "g_idx")
+FP8_PARTS = ("weight", "weight_scale_inv", "weight_scale")
+FP8_DTYPE = "F8_E4M3"  # safetensors' name for float8_e4m3fn
+
+
+def keep_checkpoint_weights_packed(model: nn.Module, checkpoint: Path, method: str, activations: str = "int8x2",
+                                   cut: ShardCut = whole, device: str = "cpu") -> Counter:
+    """Replace, in place, each linear of `model` (fused groups whole) whose GPTQ, AWQ or FP8
     weight in `checkpoint` (`cut` to a tensor-parallel shard's part) reproduces it; returns
     how many of each format were replaced."""
     quant = kernels()
@@ -58,12 +66,13 @@ def keep_int4_weights_packed(model: nn.Module, checkpoint: Path, method: str, ac
         for file in weight_files(checkpoint):
             handle = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
             tensors.update({key: handle for key in handle.keys()})
-        for prefix in sorted(key.removesuffix(".qweight") for key in tensors if key.endswith(".qweight")):
-            parts = {name: tensors[f"{prefix}.{name}"].get_tensor(f"{prefix}.{name}")
-                     for name in ("qweight", "qzeros", "scales", "g_idx") if f"{prefix}.{name}" in tensors}
+        names = INT4_PARTS if method in ("gptq", "awq") else FP8_PARTS
+        for prefix in _quantized_modules(method, tensors):
             module = _module(model, prefix)
             if module is None or module.weight.is_meta:
                 continue  # not this model's, or a layer of another pipeline stage
+            parts = {name: tensors[f"{prefix}.{name}"].get_tensor(f"{prefix}.{name}")
+                     for name in names if f"{prefix}.{name}" in tensors}
             match = _reproducing(module, _blocks(method, settings, parts), cut(f"{prefix}.weight"), quant,
                                  target_dtype(config))
             if match is None:
@@ -76,8 +85,22 @@ def keep_int4_weights_packed(model: nn.Module, checkpoint: Path, method: str, ac
     return swap_in_packed(model, matched, quant, activations, device)
 
 
+def _quantized_modules(method: str, tensors: dict) -> list[str]:
+    """The names of the checkpoint's quantized linears: those with a GPTQ/AWQ `qweight`, or
+    an e4m3 `weight` (FP8; other float8 kinds stay float)."""
+    if method in ("gptq", "awq"):
+        return sorted(key.removesuffix(".qweight") for key in tensors if key.endswith(".qweight"))
+    return sorted(key.removesuffix(".weight") for key, handle in tensors.items()
+                  if key.endswith(".weight") and handle.get_slice(key).get_dtype() == FP8_DTYPE)
+
+
 def _blocks(method: str, settings: dict, parts: dict[str, torch.Tensor]):
-    """The Q4_F32 blocks (and input order) of one checkpoint linear, or None."""
+    """The blocks (and input order, or None) of one checkpoint linear, or None."""
+    if method == "fp8":
+        block_size = settings.get("weight_block_size") if "weight_scale_inv" in parts else None
+        scale = parts.get("weight_scale_inv", parts.get("weight_scale"))
+        packed = None if scale is None else fp8_blocks(parts["weight"], scale, block_size)
+        return None if packed is None else (packed, None)
     group_size = int(settings.get("group_size", settings.get("q_group_size", 128)))
     if method == "gptq":
         q = unpack_int4_rows(parts["qweight"])
