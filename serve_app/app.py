@@ -18,18 +18,27 @@ from workers.contract.model_shape import local_split_problem
 from workers.serving.deployment import ModelWorker
 
 
-def worker_deployment_name(model_id: str) -> str:
-    return "ModelWorker-" + re.sub(r"[^A-Za-z0-9_.-]", "-", model_id)
+def worker_deployment_name(model_id: str, side: str = "decode") -> str:
+    """The model's worker deployment (with disaggregation, the decode side's: the one that
+    streams, serves /tokenize and is read for stats); `side="prefill"`: its prefill side's."""
+    name = "ModelWorker-" + re.sub(r"[^A-Za-z0-9_.-]", "-", model_id)
+    return name + "-prefill" if side == "prefill" else name
 
 
 def build_app(args: dict[str, Any]) -> Application:
     """Validate the config (a bad key fails here, named) and bind ingress + one worker per
-    model (+ the LoRA registry when a model serves adapters)."""
+    model (two for a disaggregated model: the decode side is given the prefill side's
+    handle) + the LoRA registry when a model serves adapters."""
     config = parse_app_config(args)
     check_placement(config, cluster_nodes())
-    workers = {model.id: worker_deployment(model, config).bind(model.model_dump()) for model in config.models}
+    workers, prefills = {}, {}
+    for model in config.models:
+        if model.disaggregation is not None:
+            prefills[model.id] = worker_deployment(model, config, "prefill").bind(model.model_dump())
+        workers[model.id] = worker_deployment(model, config).bind(model.model_dump(), prefills.get(model.id))
     registry = LoraRegistry.bind() if any(m.lora is not None for m in config.models) else None
-    return ChatIngress.options(**config.ingress.serve_options()).bind(config.model_dump(), workers, registry)
+    return ChatIngress.options(**config.ingress.serve_options()).bind(config.model_dump(), workers, registry,
+                                                                      prefills)
 
 
 def check_placement(config: AppConfig, nodes: list[dict[str, float]]) -> None:
@@ -43,11 +52,11 @@ def check_placement(config: AppConfig, nodes: list[dict[str, float]]) -> None:
             raise ConfigError(f"invalid chatserve config: models.{index}.{problem}")
 
 
-def worker_deployment(model: ModelConfig, config: AppConfig):
-    """The model's worker deployment: its Serve options, its router (serve_app/transport/router.py),
-    and room for one channel per ingress replica beside `max_ongoing_requests` (a channel is
-    an open call, and Serve counts it)."""
-    options = model.worker_serve_options()
+def worker_deployment(model: ModelConfig, config: AppConfig, side: str = "decode"):
+    """The model's worker deployment (`side` of a disaggregated one): its Serve options, its
+    router (serve_app/transport/router.py), and room for one channel per ingress replica
+    beside `max_ongoing_requests` (a channel is an open call, and Serve counts it)."""
+    options = model.worker_serve_options(side)
     options["max_ongoing_requests"] += config.ingress.max_replicas
     router = RequestRouterConfig(request_router_class=ROUTER_CLASS, request_router_kwargs=model.routing.model_dump())
-    return ModelWorker.options(name=worker_deployment_name(model.id), **options, request_router_config=router)
+    return ModelWorker.options(name=worker_deployment_name(model.id, side), **options, request_router_config=router)

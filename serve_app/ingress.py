@@ -132,15 +132,19 @@ for _dialect in DIALECTS:
 @serve.ingress(api)
 class ChatIngress(HandleAPI):
     def __init__(self, app_config: dict, workers: dict[str, DeploymentHandle],
-                 lora_registry: DeploymentHandle | None = None) -> None:
-        """`lora_registry`: the app's LoraRegistry (serve_app/lora/adapters.py), when a model serves adapters."""
+                 lora_registry: DeploymentHandle | None = None,
+                 prefill_workers: dict[str, DeploymentHandle] | None = None) -> None:
+        """`lora_registry`: the app's LoraRegistry (serve_app/lora/adapters.py), when a model serves
+        adapters; `prefill_workers`: the prefill deployments of disaggregated models (`workers`
+        then holds their decode deployments)."""
         self.config = AppConfig.model_validate(app_config)
         self.adapters = AdapterCatalog(self.config, lora_registry)
         self.auth = APIKeyAuth.from_options(self.config.server)  # reads the key env var / file here
         warn_if_open_without_key(*serve_http_address(), self.auth.enabled)
         self.media = MediaResolver(self.config.server.media)
         self.workers = {model: over_grpc(handle) for model, handle in workers.items()}
-        self.transports = {model: WorkerChannels(handle, self.config.model(model).resume)
+        prefills = {model: over_grpc(handle) for model, handle in (prefill_workers or {}).items()}
+        self.transports = {model: self._transport(model, handle, prefills.get(model))
                            for model, handle in self.workers.items()}
         self._infos: dict[str, ModelInfo] = {}
         for model, transport in self.transports.items():
@@ -154,12 +158,16 @@ class ChatIngress(HandleAPI):
         self.dialect_states = {d.path: d.state(self.config.server) for d in DIALECTS if d.state is not None}
         route_request_log_to_serve()
 
+    def _transport(self, model: str, handle: DeploymentHandle, prefill: DeploymentHandle | None) -> WorkerChannels:
+        resume = self.config.model(model).resume
+        return WorkerChannels(handle, resume, WorkerChannels(prefill, resume) if prefill is not None else None)
+
     @api.get("/health")
     async def health(self) -> Response:
         """Open (no key): whether each model has a ready worker replica (serve_app/http/health.py)."""
         models = {}
         for model_id, transport in self.transports.items():
-            scaling = self.config.model(model_id).deployment.autoscaling_config
+            scaling = self.config.model(model_id).decode_deployment.autoscaling_config
             models[model_id] = ModelHealth(transport.ready_replicas, scaling is not None and scaling.min_replicas == 0)
         status, body = health_report(models)
         return JSONResponse(body, status_code=status)

@@ -13,6 +13,14 @@ replica leaves the router's set (scaled down, replaced by a redeploy: the hand-o
 once, not after the grace period), the request is submitted again with a `Continuation`
 (the token ids received per choice) under a new attempt id; Serve routes it to a live
 replica, which goes on from there. Bounded by the model's `resume` config.
+
+Prefill/decode disaggregation: the decode deployment's channels hold the prefill
+deployment's (`prefill`). A request goes first to a prefill replica (`prefill_only`),
+whose chunks land in the same mailbox; when that replica hands the request over (a chunk
+with a `KVHandoff`, workers/contract/kv_handoff.py), it is submitted to the decode
+deployment with a `Continuation` of what was received and the handoff, so the decode
+replica takes the prompt's KV blocks instead of computing them. A prefill replica that
+fails is a broken stream like any: the request resumes on a decode replica.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from serve_app.transport.replica_directory import (
     ReplicaDirectory,
     deployment_key,
 )
+from workers.contract.kv_handoff import KVHandoff
 from workers.contract.model_config import ResumeConfig
 from workers.contract.requests import GenerateRequest
 
@@ -49,10 +58,14 @@ class _Losses:
 
 
 class WorkerChannels:
-    def __init__(self, handle: DeploymentHandle, resume: ResumeConfig = ResumeConfig()) -> None:
-        """`handle`: the worker deployment's handle, options set (e.g. by value over gRPC)."""
+    def __init__(self, handle: DeploymentHandle, resume: ResumeConfig = ResumeConfig(),
+                 prefill: "WorkerChannels | None" = None) -> None:
+        """`handle`: the worker deployment's handle, options set (e.g. by value over gRPC);
+        `prefill`: the channels of the model's prefill deployment, when disaggregated."""
         self.ingress_id = uuid.uuid4().hex
         self.resumes = 0  # requests resumed on another replica (a counter)
+        self.handoffs = 0  # requests handed from a prefill replica to this deployment (a counter)
+        self._prefill = prefill
         self._resume = resume
         self._losses: dict[str, _Losses] = {}
         self._handle = handle
@@ -74,6 +87,8 @@ class WorkerChannels:
             ReplicaDirectory.subscribe(self._deployment, self._on_replicas)
 
     def stop(self) -> None:
+        if self._prefill is not None:
+            self._prefill.stop()
         ReplicaDirectory.unsubscribe(self._deployment, self._on_replicas)
         for reader in self._readers.values():
             reader.cancel()
@@ -83,10 +98,45 @@ class WorkerChannels:
         """Start the request; its chunks arrive in the returned mailbox."""
         self.start()
         request_id = gen_request.request_id
-        mailbox = RequestMailbox(gen_request, lambda: self._forget(mailbox), self._on_broken)
+        mailbox = RequestMailbox(gen_request, lambda: self._forget(mailbox), self._on_broken, self._on_handoff)
+        if self._prefill is not None and _prefills_apart(gen_request):
+            prefill = dataclasses.replace(gen_request, request_id=f"{request_id}~prefill", prefill_only=True)
+            self._prefill.carry(mailbox, prefill)
+            return mailbox
         self._mailboxes[request_id] = mailbox
         mailbox.start(self._send(gen_request))
         return mailbox
+
+    def carry(self, mailbox: RequestMailbox, request: GenerateRequest) -> None:
+        """Run `request` (an attempt of `mailbox`'s request) on this deployment."""
+        self.start()
+        self._mailboxes[request.request_id] = mailbox
+        mailbox.restart(self._send(request), request.request_id)
+
+    def drop(self, mailbox: RequestMailbox) -> None:
+        """Forget `mailbox`'s current attempt here (it ended, or goes on elsewhere)."""
+        if self._mailboxes.get(mailbox.worker_request_id) is mailbox:
+            del self._mailboxes[mailbox.worker_request_id]
+            if mailbox.replica is not None:
+                self._close_if_idle(mailbox.replica)
+
+    def _holds(self, mailbox: RequestMailbox) -> bool:
+        """`mailbox`'s current attempt runs here or on the prefill side."""
+        sides = (self, self._prefill) if self._prefill is not None else (self,)
+        return any(side._mailboxes.get(mailbox.worker_request_id) is mailbox for side in sides)
+
+    def _on_handoff(self, mailbox: RequestMailbox, handoff: KVHandoff) -> None:
+        """A prefill replica handed the request over: go on with it here."""
+        if mailbox.complete or self._prefill is None or not self._holds(mailbox):
+            mailbox.broke("a hand-over for a request that is not running")
+            return
+        self._prefill.drop(mailbox)
+        attempt = f"{mailbox.request_id}~{uuid.uuid4().hex[:8]}"
+        self._mailboxes[attempt] = mailbox
+        request = dataclasses.replace(mailbox.request, request_id=attempt, resume=mailbox.continuation(),
+                                      kv_handoff=handoff)
+        self.handoffs += 1
+        mailbox.restart(self._send(request), attempt)
 
     def _send(self, request: GenerateRequest):
         handle = self._handle.options(stream=True)
@@ -95,6 +145,8 @@ class WorkerChannels:
         return handle.generate.remote(dataclasses.replace(request, ingress_id=self.ingress_id))
 
     def _forget(self, mailbox: RequestMailbox) -> None:
+        if self._prefill is not None:
+            self._prefill.drop(mailbox)
         self._mailboxes.pop(mailbox.worker_request_id, None)
         self._losses.pop(mailbox.request_id, None)
         if mailbox.replica is not None:
@@ -117,9 +169,11 @@ class WorkerChannels:
         return True
 
     def _restart(self, mailbox: RequestMailbox, losses: _Losses) -> None:
-        if mailbox.complete or self._mailboxes.get(mailbox.worker_request_id) is not mailbox:
+        if mailbox.complete or not self._holds(mailbox):
             return  # it ended (or was cancelled) meanwhile
-        del self._mailboxes[mailbox.worker_request_id]
+        if self._prefill is not None:
+            self._prefill.drop(mailbox)  # a prefill replica failed: the decode side runs it all
+        self._mailboxes.pop(mailbox.worker_request_id, None)
         attempt = f"{mailbox.request_id}~{uuid.uuid4().hex[:8]}"
         self._mailboxes[attempt] = mailbox
         request = dataclasses.replace(mailbox.request, request_id=attempt, resume=mailbox.continuation())
@@ -187,3 +241,10 @@ class WorkerChannels:
         for mailbox in list(self._mailboxes.values()):
             if mailbox.replica == replica:
                 mailbox.broke(f"its channel ended: {reason}")
+
+
+def _prefills_apart(request: GenerateRequest) -> bool:
+    """Whether a request goes to a prefill replica first: not one that resumes, nor beam
+    search (its beams come out whole at the end, so there is no first token to hand
+    over), nor one with images (the vision tower runs where the prompt is prefilled)."""
+    return request.resume is None and not request.params.use_beam_search and not request.images

@@ -7,7 +7,9 @@ per token. The request is complete when every choice has finished or an error ca
 A stream that breaks first (the replica died, its channel broke, or it ended early) is
 handed to `on_broken`, which may resume the request elsewhere from the token ids this
 mailbox received (serve_app/transport/channels.py); otherwise the request ends with a
-503 `worker_failed` chunk.
+503 `worker_failed` chunk. A prefill replica's hand-over chunk (prefill/decode
+disaggregation) never reaches the reader: it goes to `on_handoff`, which goes on with the
+request on a decode replica the same way.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ray.serve.exceptions import BackPressureError
 from workers.contract.chunks import ErrorInfo, GenerationChunk
 from workers.contract.coalescing import CoalescingQueue
 from workers.contract.continuation import ChoiceProgress, Continuation
+from workers.contract.kv_handoff import KVHandoff
 from workers.contract.requests import GenerateRequest
 from workers.contract.transport import ChannelReceipt
 
@@ -37,10 +40,12 @@ def worker_failed(reason: str) -> GenerationChunk:
 class RequestMailbox:
     def __init__(self, request: GenerateRequest, release: Callable[[], None] = lambda: None,
                  on_broken: Callable[[RequestMailbox, str, bool], bool] = lambda mailbox, reason, resumable: False,
-                 ) -> None:
+                 on_handoff: Callable[[RequestMailbox, KVHandoff], None] | None = None) -> None:
         """`release` runs once when the request is done with (read to the end, or cancelled).
         `on_broken(mailbox, reason, resumable)` is told of a broken stream; True: it resumes
-        the request (`restart` follows), False: the request ends with a 503."""
+        the request (`restart` follows), False: the request ends with a 503.
+        `on_handoff(mailbox, handoff)`: a prefill replica handed the request over; it
+        restarts the request on a decode replica (None: treated as a broken stream)."""
         self.request = request
         self.request_id = request.request_id
         self.worker_request_id = request.request_id  # the current attempt's id on the worker
@@ -63,6 +68,7 @@ class RequestMailbox:
         self._arrived = False  # any chunk, by either way, any attempt
         self._release = release
         self._on_broken = on_broken
+        self._on_handoff = on_handoff
 
     def start(self, call) -> None:
         """Read the worker call (its own chunks, or the receipt of what its replica's channel sent)."""
@@ -90,6 +96,9 @@ class RequestMailbox:
             self._channel_entries += 1
             self.replica = self.replica or replica
         self._arrived = self.attempt_delivered = True
+        if chunk.handoff is not None:
+            self._hand_over(chunk.handoff)
+            return
         if chunk.error is not None:
             self._failed = True
         else:
@@ -100,6 +109,15 @@ class RequestMailbox:
         self._ready.set()
         if self.complete:
             self._release_once()  # nothing more can come for it
+
+    def _hand_over(self, handoff: KVHandoff) -> None:
+        if self.complete or self._broken_attempt == self.worker_request_id:
+            return
+        if self._on_handoff is None:
+            self.broke("a hand-over with no decode side to take it")
+            return
+        self._broken_attempt = self.worker_request_id  # this attempt is over: its stream's end is no break
+        self._on_handoff(self, handoff)
 
     def broke(self, reason: str, resumable: bool = True) -> None:
         """The stream of the current attempt broke: resume the request, or end it with a 503.

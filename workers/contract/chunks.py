@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from workers.contract.kv_handoff import KVHandoff
+
 
 @dataclass(frozen=True)
 class ErrorInfo:
@@ -63,5 +65,8 @@ class GenerationChunk:
     prompt_logprobs: list[dict[int, TopLogprob] | None] | None = None  # first chunk only, when asked
     reasoning_open: bool = False  # the prompt ends with `reasoning_start`: the output begins inside it
     error: ErrorInfo | None = None
+    # A prefill replica's last chunk of a request it hands over (no output of its own):
+    # the ingress goes on with the request on a decode replica (workers/contract/kv_handoff.py).
+    handoff: KVHandoff | None = None
 
 

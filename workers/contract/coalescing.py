@@ -17,10 +17,12 @@ _Key = tuple[str, int, int]
 
 def merge_chunk(pending: GenerationChunk, newer: GenerationChunk) -> bool:
     """Fold `newer` into `pending`, the chunk of the same choice that came before it and was
-    not taken yet; False (nothing changed) when they must stay apart: an error, or a choice
-    that already finished."""
+    not taken yet; False (nothing changed) when they must stay apart: an error, a hand-over,
+    or a choice that already finished."""
     if pending.error is not None or newer.error is not None or pending.finish_reason is not None:
         return False
+    if pending.handoff is not None or newer.handoff is not None:
+        return False  # a hand-over stays a chunk of its own, after the tokens before it
     if newer.prompt_logprobs is not None and pending.prompt_logprobs is not None:
         return False
     pending.text += newer.text

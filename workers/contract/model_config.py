@@ -173,6 +173,24 @@ class WorkerDeploymentConfig(DeploymentConfig):
         None, description="Serve autoscaling between min_replicas and max_replicas; unset: num_replicas")
 
 
+class DisaggregationConfig(_Strict):
+    """Prefill/decode disaggregation (the MindIE documents' PD scenario; Ray Serve LLM's
+    PDPrefillServer/PDDecodeServer): the model runs as two worker deployments of the same
+    model, config and dtype. A request is prefilled on a prefill replica, which produces
+    each choice's first token and keeps the prompt's KV blocks; a decode replica takes
+    those blocks (a Ray call pinned to that replica, through the object store) and streams
+    the rest. A long prompt's prefill then never shares a step with running streams."""
+
+    prefill: WorkerDeploymentConfig = Field(
+        WorkerDeploymentConfig(), description="Ray Serve options of the prefill side's worker deployment "
+        "(replicas, autoscaling, ray_actor_options: its cores or GPU)")
+    decode: WorkerDeploymentConfig = Field(
+        WorkerDeploymentConfig(), description="Ray Serve options of the decode side's worker deployment")
+
+    def sides(self) -> dict[str, WorkerDeploymentConfig]:
+        return {"prefill": self.prefill, "decode": self.decode}
+
+
 class ParallelConfig(_Strict):
     """How one worker replica splits its model (workers/parallel/): its layers in
     `pipeline_parallel_size` stages, each stage split the Megatron way over
@@ -318,18 +336,52 @@ class ModelConfig(_Strict):
         None, description="LoRA adapters served on this model, each by its own name; unset: none (no LoRA code "
         "on the model's path)")
     parallel: ParallelConfig = Field(ParallelConfig(), description="splitting the model over several devices")
+    disaggregation: DisaggregationConfig | None = Field(
+        None, description="run prefill and decode on separate worker deployments (their options here replace "
+        "`deployment`); unset: each replica does both")
 
     @model_validator(mode="after")
     def _gpu_needs_gpu(self) -> "ModelConfig":
-        gpus = self.deployment.ray_actor_options.get("num_gpus", 0)
-        if self.device == "cuda" and not gpus:
-            raise ValueError("device 'cuda' needs deployment.ray_actor_options.num_gpus > 0")
-        if self.device == "cpu" and gpus:
-            raise ValueError("device 'cpu' with deployment.ray_actor_options.num_gpus > 0 wastes a GPU")
+        for where, side in self.worker_sides().items():
+            gpus = side.ray_actor_options.get("num_gpus", 0)
+            if self.device == "cuda" and not gpus:
+                raise ValueError(f"device 'cuda' needs {where}.ray_actor_options.num_gpus > 0")
+            if self.device == "cpu" and gpus:
+                raise ValueError(f"device 'cpu' with {where}.ray_actor_options.num_gpus > 0 wastes a GPU")
         if self.lora is not None and self.id in self.lora.adapters:
             raise ValueError(f"lora.adapters: adapter name {self.id!r} is the model's own id")
-        self._check_parallel(gpus)
+        self._check_parallel(self.deployment.ray_actor_options.get("num_gpus", 0))
+        self._check_disaggregation()
         return self
+
+    @property
+    def decode_deployment(self) -> WorkerDeploymentConfig:
+        """The options of the deployment whose replicas stream the output (the decode side's
+        with disaggregation)."""
+        return self.deployment if self.disaggregation is None else self.disaggregation.decode
+
+    def worker_sides(self) -> dict[str, WorkerDeploymentConfig]:
+        """The options of each worker deployment of the model, by their place in the config."""
+        if self.disaggregation is None:
+            return {"deployment": self.deployment}
+        return {f"disaggregation.{name}": side for name, side in self.disaggregation.sides().items()}
+
+    def _check_disaggregation(self) -> None:
+        if self.disaggregation is None:
+            return
+        if self.deployment != WorkerDeploymentConfig():  # (a dumped config repeats the default: allowed)
+            raise ValueError("deployment: with disaggregation, set each side's options under "
+                             "disaggregation.prefill and disaggregation.decode")
+        if self.parallel.shards > 1:
+            raise ValueError(f"disaggregation: a model split over shards (parallel.{self.parallel.split_field}) "
+                             "is not disaggregated (not built)")
+        if not self.engine.enable_prefix_caching:
+            raise ValueError("disaggregation: the prefill side hands the prompt's KV blocks over from its prefix "
+                             "cache; set engine.enable_prefix_caching: true")
+        for where, side in self.worker_sides().items():
+            if side.autoscaling_config is not None and side.autoscaling_config.min_replicas < 1:
+                raise ValueError(f"{where}.autoscaling_config.min_replicas: each side needs a replica at all times "
+                                 "(a request starts on one and ends on the other)")
 
     def _check_parallel(self, gpus: float) -> None:
         if self.parallel.shards == 1:
@@ -342,10 +394,12 @@ class ModelConfig(_Strict):
         if self.device == "cuda" and self.engine.kv_cache_memory_gib is None:
             raise ValueError(f"{where}: on cuda set engine.kv_cache_memory_gib (the pool is not profiled per shard)")
 
-    def worker_serve_options(self) -> dict[str, Any]:
-        """Serve's options for the worker deployment: one placement-group bundle per shard
-        when the model is split (the replica's actor takes the first)."""
-        options = self.deployment.serve_options()
+    def worker_serve_options(self, side: str = "decode") -> dict[str, Any]:
+        """Serve's options for the worker deployment (with disaggregation: the `side`'s): one
+        placement-group bundle per shard when the model is split (the replica's actor takes
+        the first)."""
+        deployment = self.deployment if self.disaggregation is None else self.disaggregation.sides()[side]
+        options = deployment.serve_options()
         shards = self.parallel.shards
         if shards == 1:
             return options

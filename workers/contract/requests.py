@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workers.contract.continuation import Continuation
+from workers.contract.kv_handoff import KVHandoff
 from workers.contract.lora import LoraRequest
 from workers.contract.sampling_params import SamplingParams
 
@@ -60,6 +61,10 @@ class GenerateRequest:
     # worker replica has one open (serve_app/transport/channels.py), else by the call itself.
     ingress_id: str | None = None
     resume: Continuation | None = None  # go on from output already delivered (workers/contract/continuation.py)
+    # Prefill/decode disaggregation (workers/contract/kv_handoff.py): run only until each
+    # choice has its first token, then hand the prompt's KV blocks over ...
+    prefill_only: bool = False
+    kv_handoff: KVHandoff | None = None  # ... and, on the decode side, where to take them from
     lora: LoraRequest | None = None  # the adapter `model` named (None: the base model)
     # Keeps a conversation on one worker replica (the router's prefix-aware choice,
     # serve_app/transport/prefix_routing.py): the `x-session-id` header, else the body's `user`.

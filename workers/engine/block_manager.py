@@ -112,6 +112,44 @@ class BlockManager:
                 self._hash_of[block] = h
         seq.num_cached_blocks = full
 
+    def prefix_hashes(self, token_ids: list[int], salt: bytes = b"") -> list[bytes]:
+        """Chain hashes of every full block of `token_ids` (a prefix handed between replicas)."""
+        hashes: list[bytes] = []
+        bs = self.block_size
+        for i in range(len(token_ids) // bs):
+            hashes.append(chain_hash(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs], salt))
+        return hashes
+
+    def cached_blocks(self, hashes: list[bytes]) -> list[int]:
+        """The blocks holding the longest cached run of `hashes` (a chain) from its start."""
+        blocks = []
+        for h in hashes:
+            block = self._cached.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def cache_blocks(self, hashes: list[bytes]) -> list[tuple[int, int]]:
+        """Free blocks registered under those of `hashes` not cached yet, for K/V arriving from
+        another replica: (index in `hashes`, block) for the caller to fill. They go back to the
+        free pool as the most recently freed, findable like any cached block. Stops where the
+        pool would have to evict a block taken here."""
+        taken = []
+        room = len(self._free)
+        for index, h in enumerate(hashes):
+            if h in self._cached:
+                continue
+            if len(taken) == room:
+                break
+            block = self._take()
+            self._cached[h] = block
+            self._hash_of[block] = h
+            taken.append((index, block))
+        for _, block in taken:
+            self._release(block)
+        return taken
+
     def _block_hashes(self, seq: Sequence, count: int) -> list[bytes]:
         """Chain hashes of the first `count` full blocks of `seq`, computed once per sequence."""
         hashes, bs = seq.block_hashes, self.block_size

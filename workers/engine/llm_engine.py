@@ -28,6 +28,7 @@ from workers.engine.engine_info import (
     EngineStats,
     queued_prompt_tokens,
 )
+from workers.engine.kv_transfer import KVBlocks, export_blocks, import_blocks
 from workers.engine.model_setup import (
     adapter_slots,
     decode_path,
@@ -176,7 +177,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.limits.max_model_len,
             # Another adapter's K/V differ for the same tokens: its blocks never match.
-            cache_salt=salt + adapter.key.encode() if adapter is not None else salt,
+            cache_salt=salt + _salt(adapter.key if adapter is not None else None),
             image_features=self.runner.encode_images(images) if images is not None else None,
             guide=guide,
             lora=adapter,
@@ -188,6 +189,21 @@ class LLMEngine:
         for choice in seqs:
             self.scheduler.add(choice)
         return seq.request_id
+
+    def export_prefix(self, token_ids: list[int], lora: str | None = None) -> KVBlocks | None:
+        """The cached K/V blocks of a prompt (run with adapter `lora`), for another replica
+        (workers/engine/kv_transfer.py); None where none is cached, or the model is split
+        over shards (each holds its own part of the pool)."""
+        if self.shard_group is not None:
+            return None
+        return export_blocks(self.blocks, self.kv_cache, token_ids, _salt(lora))
+
+    def import_prefix(self, payload: KVBlocks, lora: str | None = None) -> int:
+        """Write another replica's prompt blocks into this one's prefix cache; returns the
+        blocks written (0 for a split model)."""
+        if self.shard_group is not None:
+            return 0
+        return import_blocks(self.blocks, self.kv_cache, payload, _salt(lora))
 
     def _adapter(self, key: str | None) -> Adapter | None:
         if key is None:
@@ -310,3 +326,8 @@ class LLMEngine:
         pending = 0 if token_ids is None else 1
         tensors = SamplingTensors.from_sequences(seqs, self.vocab_size, self.device, pending)
         return self.sampler(logits[:, : self.vocab_size], tensors)
+
+
+def _salt(lora: str | None) -> bytes:
+    """The prefix-cache salt of a text prompt run with adapter key `lora` (None: the base model)."""
+    return lora.encode() if lora is not None else b""

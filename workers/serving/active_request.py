@@ -45,9 +45,11 @@ class Timeouts:
 
 class ActiveRequest:
     def __init__(self, request_id: str, engine: AsyncEngine, stream: RequestStream, choices: list[ChoiceOutput],
-                 usage: Usage, outbox: ChunkOutbox, stream_interval: int = 1) -> None:
+                 usage: Usage, outbox: ChunkOutbox, stream_interval: int = 1, prefill_only: bool = False) -> None:
         """`stream_interval`: after the first token, a chunk goes out once this many tokens
-        per choice are waiting (or the request ends)."""
+        per choice are waiting (or the request ends). `prefill_only` (a prefill replica's
+        request): done once every choice has its first token (`handed_off` then says some
+        choice goes on, on a decode replica)."""
         self.request_id = request_id
         self.usage = usage
         self._engine = engine
@@ -57,8 +59,14 @@ class ActiveRequest:
         self._stream_interval = stream_interval
         self._resumed_tokens = usage.completion_tokens  # a resumed request's first token is its first new one
         self._held: list[TokenEvent] = []  # events held back by the stream interval
+        self._prefill_only = prefill_only
+        self.handed_off = False
         self._done = asyncio.Event()
         stream.sink = self.on_events
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self._choices[0].prompt_ids
 
     @property
     def done(self) -> bool:
@@ -89,6 +97,9 @@ class ActiveRequest:
         self._put(self._take_chunks())
         if all(choice.finished for choice in self._choices):
             self._end()
+        elif self._prefill_only and all(choice.finished or choice.num_tokens for choice in self._choices):
+            self.handed_off = True  # the first tokens are out: the rest is a decode replica's
+            self._end()
 
     async def until_done(self, timeouts: Timeouts, arrival: float) -> None:
         """Wait for the end; past a deadline, end the request with a 504 chunk."""
@@ -114,9 +125,10 @@ class ActiveRequest:
 
     def _must_send(self, arrived: list[TokenEvent]) -> bool:
         """Events that go out at once whatever the stream interval: the first (new) token (no
-        timer on the time to first token, nor on a resumed stream's pause), the request's end,
-        and a failure."""
-        return not self._got_token or self._stream.finished or any(e.error is not None for e in arrived)
+        timer on the time to first token, nor on a resumed stream's pause; a prefill
+        replica's every token), the request's end, and a failure."""
+        return (not self._got_token or self._prefill_only or self._stream.finished
+                or any(e.error is not None for e in arrived))
 
     def _take_chunks(self) -> list[GenerationChunk]:
         """One chunk per choice that has news in the held events, in choice order. A failed

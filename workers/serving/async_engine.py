@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from workers.contract.errors import WorkerError
 from workers.contract.lora import LoraAdapterError
@@ -49,6 +50,12 @@ class _Add:
     images: ImageInputs | None = None
     resume: list[ResumedChoice] | None = None
     lora: str | None = None  # a registered adapter's key
+
+
+@dataclass
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    done: asyncio.Future
 
 
 @dataclass
@@ -206,6 +213,16 @@ class AsyncEngine:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
         return stream
 
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """`fn(engine)` on the engine thread between two steps (the engine is not thread-safe);
+        its result, or what it raised."""
+        if not self.alive:
+            raise EngineDeadError(f"engine is not running: {self.error!r}")
+        done = asyncio.get_running_loop().create_future()
+        self._commands.put(_Call(fn, done))
+        self._wake.set()
+        return await done
+
     def abort(self, stream: RequestStream) -> None:
         if not stream.finished:
             self._commands.put(_Abort(stream))
@@ -241,6 +258,8 @@ class AsyncEngine:
                     break
                 if isinstance(cmd, _Add):
                     failed.append((cmd.stream, dead))
+                elif isinstance(cmd, _Call):
+                    self._loop.call_soon_threadsafe(_settle, cmd.done, None, dead)
             self._loop.call_soon_threadsafe(_deliver, failed)
             self._streams.clear()
 
@@ -270,6 +289,8 @@ class AsyncEngine:
                     continue
                 cmd.stream.request_id = request_id
                 self._streams[request_id] = cmd.stream
+            elif isinstance(cmd, _Call):
+                self._call(cmd)
             elif isinstance(cmd, _AddLora):
                 self._engine.lora.add(cmd.adapter)  # checked once, on the caller's thread (add_lora)
             elif isinstance(cmd, _RemoveLora):
@@ -277,6 +298,24 @@ class AsyncEngine:
             elif cmd.stream.request_id is not None:
                 self._engine.abort_request(cmd.stream.request_id)
                 self._streams.pop(cmd.stream.request_id, None)
+
+
+    def _call(self, cmd: _Call) -> None:
+        try:
+            result = cmd.fn(self._engine)
+        except Exception as exc:  # noqa: BLE001 - the caller's to handle
+            self._loop.call_soon_threadsafe(_settle, cmd.done, None, exc)
+            return
+        self._loop.call_soon_threadsafe(_settle, cmd.done, result, None)
+
+
+def _settle(done: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if done.cancelled():
+        return
+    if error is not None:
+        done.set_exception(error)
+    else:
+        done.set_result(result)
 
 
 def _deliver(routed: list[tuple[RequestStream, TokenEvent | BaseException]]) -> None:

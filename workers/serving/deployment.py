@@ -1,4 +1,9 @@
-"""The Ray Serve model-worker deployment: one replica owns one device and one engine."""
+"""The Ray Serve model-worker deployment: one replica owns one device and one engine.
+
+With prefill/decode disaggregation a model has two such deployments: the prefill side's
+replicas hand requests over after their first token (keeping the prompt's KV blocks for
+`take_kv`), and the decode side's replicas, given the prefill deployment's handle, take
+those blocks by a call pinned to the replica that holds them (workers/serving/kv_handoffs.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +13,11 @@ import os
 from collections.abc import AsyncIterator
 
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
 from workers.contract.chunks import ErrorInfo, GenerationChunk
 from workers.contract.engine_load import EngineLoad
+from workers.contract.kv_handoff import KVHandoff
 from workers.contract.model_config import ModelConfig
 from workers.contract.requests import GenerateRequest
 from workers.contract.serve_logs import route_to_serve_log
@@ -22,6 +29,7 @@ from workers.contract.tokenize import (
 )
 from workers.contract.transport import ChannelBatch, ChannelReceipt
 from workers.contract.worker_info import ModelInfo, WorkerStats
+from workers.engine.kv_transfer import KVBlocks
 from workers.engine.llm_engine import LLMEngine
 from workers.lora.replica_adapters import WorkerAdapters
 from workers.model.cpu_linear import PackedLinear
@@ -29,12 +37,14 @@ from workers.model.fused_projections import FusedProjection
 from workers.serving.async_engine import AsyncEngine
 from workers.serving.channels import ChannelRegistry, until_closed
 from workers.serving.engine_build import BuiltEngine, build_engine, vision_prompts
+from workers.serving.kv_handoffs import KVHandoffs
 from workers.serving.request_processor import RequestProcessor, Timeouts
 from workers.serving.tokenization import Tokenization
 
 logger = logging.getLogger(__name__)
 
 SHARD_CHECK_TIMEOUT_S = 10
+KV_FETCH_TIMEOUT_S = 30  # taking a hand-over's blocks; past it the decode replica computes the prompt
 
 
 def _end_replica(cause: BaseException) -> None:
@@ -44,6 +54,14 @@ def _end_replica(cause: BaseException) -> None:
     logger.critical("a shard of the split model was lost (%s: %s): ending this replica", type(cause).__name__, cause)
     logging.shutdown()
     os._exit(70)
+
+
+def _replica_id() -> str:
+    """Serve's unique id of this replica ("" outside Serve)."""
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - not in a replica (a test building the worker directly)
+        return ""
 
 
 def _resident_bytes() -> int:
@@ -56,7 +74,8 @@ def _resident_bytes() -> int:
 
 @serve.deployment(name="ModelWorker", health_check_period_s=10, health_check_timeout_s=30)
 class ModelWorker:
-    def __init__(self, model_config: dict) -> None:
+    def __init__(self, model_config: dict, prefill: DeploymentHandle | None = None) -> None:
+        """`prefill`: the model's prefill deployment, for a decode replica (disaggregation)."""
         route_to_serve_log(logging.getLogger("workers"))  # the ready line, the packing probe, engine errors
         self.config = ModelConfig.model_validate(model_config)
         built: list[BuiltEngine] = []
@@ -74,9 +93,11 @@ class ModelWorker:
         self._fused_projections = sum(isinstance(m, FusedProjection) for m in modules)
         engine_config = self.config.engine
         timeouts = Timeouts(engine_config.first_token_timeout_s, engine_config.request_timeout_s)
+        self._prefill = prefill
+        handoffs = KVHandoffs(self.engine, _replica_id(), self._take_from_prefill if prefill is not None else None)
         self.processor = RequestProcessor(self.engine, loaded.tokenizer, timeouts, vision_prompts(loaded, self.config),
                                           stream_interval=engine_config.stream_interval,
-                                          default_max_tokens=self.config.default_max_tokens)
+                                          default_max_tokens=self.config.default_max_tokens, handoffs=handoffs)
         self.tokenization = Tokenization(loaded.tokenizer, self.processor.prompts, self.processor.max_model_len,
                                          self.processor.vision)
         self.channels = ChannelRegistry()
@@ -114,6 +135,19 @@ class ModelWorker:
         finally:
             self.channels.close(ingress_id, outbox)
 
+    async def take_kv(self, key: str, replica: str | None = None) -> KVBlocks | None:
+        """A hand-over's KV blocks, once, for the decode replica going on with the request;
+        `replica` pins the call to this replica (the router reads it)."""
+        return self.processor.handoffs.take(key)
+
+    async def _take_from_prefill(self, handoff: KVHandoff) -> KVBlocks | None:
+        call = self._prefill.take_kv.remote(handoff.key, replica=handoff.replica)
+        try:
+            return await asyncio.wait_for(call, KV_FETCH_TIMEOUT_S)
+        except TimeoutError:
+            call.cancel()
+            raise
+
     async def check_lora_adapter(self, name: str, path: str) -> ErrorInfo | None:
         """For POST /v1/load_lora_adapter: None when `path` holds an adapter this model can
         serve (inside lora.adapter_dir), else the 400 to answer."""
@@ -145,7 +179,7 @@ class ModelWorker:
 
     def stats(self, replica: str | None = None) -> WorkerStats:
         """`replica` pins the call to one replica (the router reads it), for per-replica reads."""
-        engine = self.engine.stats()
+        engine, transfers = self.engine.stats(), self.processor.handoffs.stats
         return WorkerStats(
             active_requests=engine.active_requests,
             waiting=engine.waiting,
@@ -161,6 +195,11 @@ class ModelWorker:
             requests_by_channel=self._requests_by_channel,
             requests_by_call=self._requests_by_call,
             queued_prompt_tokens=engine.queued_prompt_tokens,
+            kv_handoffs_sent=transfers.sent,
+            kv_handoffs_received=transfers.received,
+            kv_handoffs_missed=transfers.missed,
+            kv_transfer_bytes=transfers.bytes,
+            kv_transfer_ms=transfers.ms,
         )
 
     async def record_autoscaling_stats(self) -> dict[str, float]:

@@ -6,7 +6,10 @@ tokenizing, detokenizing and stop-string search cost the engine no step time. Ad
 chunks are made by its `ActiveRequest` as each step's events arrive. When a stop string
 matches, or the caller goes away, the request is aborted in the engine at once and its
 KV blocks are freed. A request that resumes a broken stream (`GenerateRequest.resume`)
-first replays what its client has, then sends only new text.
+first replays what its client has, then sends only new text. Prefill/decode
+disaggregation (workers/serving/kv_handoffs.py): a prefill replica's request ends once
+each choice has its first token, with a hand-over chunk; a decode replica's takes the
+hand-over's KV blocks into its cache before it is queued.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from workers.sampling.guided import GuideState
 from workers.serving.active_request import ActiveRequest, Timeouts
 from workers.serving.async_engine import AsyncEngine
 from workers.serving.choice_output import ChoiceOutput, Usage
+from workers.serving.kv_handoffs import KVHandoffs
 from workers.serving.outbox import ChunkOutbox
 from workers.text.prompts import Prompt, PromptBuilder
 from workers.text.vision_prompts import VisionPromptBuilder
@@ -39,7 +43,7 @@ __all__ = ["RequestProcessor", "Timeouts"]
 class RequestProcessor:
     def __init__(self, engine: AsyncEngine, tokenizer, timeouts: Timeouts = Timeouts(),
                  vision: VisionPromptBuilder | None = None, stream_interval: int = 1,
-                 default_max_tokens: int | None = None) -> None:
+                 default_max_tokens: int | None = None, handoffs: KVHandoffs | None = None) -> None:
         """`stream_interval`: after the first token, a chunk goes out once this many tokens
         per choice are waiting (or the request ends): fewer, larger messages, at the price
         of a burstier stream. `default_max_tokens`: the output cap of a request that names
@@ -52,6 +56,7 @@ class RequestProcessor:
         self.prompts = PromptBuilder(tokenizer)
         self.vision = vision  # vision-language models only
         self.max_model_len = engine.limits.max_model_len
+        self.handoffs = handoffs or KVHandoffs(engine)
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[list[GenerationChunk]]:
         """The request's chunks, everything pending at each wake-up as one list (one message)."""
@@ -90,6 +95,10 @@ class RequestProcessor:
             await active.until_done(self.timeouts, arrival)
         finally:
             active.close()
+        if active.handed_off:
+            lora = request.lora.key if request.lora is not None else None
+            handoff = await self.handoffs.hand_off(active.prompt_ids, lora)
+            outbox.put(request.request_id, GenerationChunk(handoff=handoff))
 
     async def admit(self, request: GenerateRequest, outbox: ChunkOutbox, arrival: float) -> ActiveRequest | None:
         """Template, check, replay a continuation, queue the request; None when refused or
@@ -111,6 +120,8 @@ class RequestProcessor:
                 resume, done = await asyncio.to_thread(self._resume, request.resume, prompt_ids, params, guide,
                                                        choices, usage)
             lora = request.lora.key if request.lora is not None else None
+            if request.kv_handoff is not None and resume:
+                await self.handoffs.receive(request.kv_handoff, prompt_ids, lora)
             stream = None if resume == [] else self.engine.add_request(prompt_ids, params, guide, images=prompt.images,
                                                                       resume=resume, lora=lora)
         except WorkerError as exc:
@@ -120,7 +131,8 @@ class RequestProcessor:
             outbox.put(request.request_id, chunk)
         if stream is None:
             return None  # the given ids end every choice
-        return ActiveRequest(request.request_id, self.engine, stream, choices, usage, outbox, self.stream_interval)
+        return ActiveRequest(request.request_id, self.engine, stream, choices, usage, outbox, self.stream_interval,
+                             prefill_only=request.prefill_only and not params.use_beam_search)
 
     async def _prompt(self, request: GenerateRequest) -> Prompt:
         if self.vision is None:
