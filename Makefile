@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-gpu fuzz bench bench-cpu bench-llamacpp bench-transport bench-prefix bench-prefix-routing bench-fairness bench-lora bench-ttft-overhead bench-gpu soak soak-chaos faults clean
+.PHONY: install serve test test-gpu fuzz bench bench-cpu bench-llamacpp bench-transport bench-prefix bench-prefix-routing bench-fairness bench-pd bench-lora bench-ttft-overhead bench-gpu soak soak-chaos faults clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -84,6 +84,11 @@ bench-prefix: $(STAMP)
 # prefix-aware routing against power of two choices (cached share, tok/s, spread).
 bench-prefix-routing: $(STAMP)
 	$(BIN)/python -m tools.bench.prefix_routing --model default --conversations 32 --turns 4
+
+# Prefill/decode disaggregation against one colocated replica on the same cores: running
+# streams' inter-token gaps while 2,000-token prompts arrive, their TTFT, the KV transfer.
+bench-pd: $(STAMP)
+	$(BIN)/python -m tools.bench.pd --model default --streams 16 --long-prompt 2000 --long-requests 4
 
 bench-fairness: $(STAMP)
 	$(BIN)/python -m tools.bench.engine fairness --streams 16 --long-prompt 2000 --budget 256 2048

@@ -144,6 +144,7 @@ class ChatIngress(HandleAPI):
         self.media = MediaResolver(self.config.server.media)
         self.workers = {model: over_grpc(handle) for model, handle in workers.items()}
         prefills = {model: over_grpc(handle) for model, handle in (prefill_workers or {}).items()}
+        self.prefill_workers = prefills
         self.transports = {model: self._transport(model, handle, prefills.get(model))
                            for model, handle in self.workers.items()}
         self._infos: dict[str, ModelInfo] = {}
@@ -177,6 +178,8 @@ class ChatIngress(HandleAPI):
         """Prometheus text format; worker gauges are read now, from one replica per model."""
         self.auth.check(request.headers.get("authorization"))
         await self.metrics.refresh_worker_gauges({m: h.stats.remote() for m, h in self.workers.items()})
+        await self.metrics.refresh_side_gauges({m: {"prefill": p.stats.remote(), "decode": self.workers[m].stats.remote()}
+                                                for m, p in self.prefill_workers.items()})
         self.metrics.count_resumes({m: t.resumes for m, t in self.transports.items()})
         return Response(self.metrics.exposition(), headers={"content-type": CONTENT_TYPE})
 

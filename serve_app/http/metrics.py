@@ -102,6 +102,20 @@ class IngressMetrics:
                                "attempt: a request that lost two replicas, or had to try twice, counts twice)",
                                ["model"], registry=r)
         self._resumes_seen: dict[str, int] = {}
+        # Disaggregated models (prefill/decode): each side's queue and KV, and the hand-overs.
+        self.side_running = Gauge("chatserve_pd_running_sequences", "Sequences in the running batch of one worker "
+                                  "replica of a disaggregated model's side", ["model", "side"], registry=r)
+        self.side_waiting = Gauge("chatserve_pd_waiting_sequences", "Sequences waiting to be scheduled on one worker "
+                                  "replica of a disaggregated model's side", ["model", "side"], registry=r)
+        self.side_kv_usage = Gauge("chatserve_pd_kv_cache_usage_ratio", "KV cache blocks used / total of one worker "
+                                   "replica of a disaggregated model's side", ["model", "side"], registry=r)
+        self.handoffs = Gauge("chatserve_kv_handoffs", "Requests whose prompt KV blocks one decode replica took from "
+                              "a prefill replica, since it started", ["model"], registry=r)
+        self.transfer_bytes = Gauge("chatserve_kv_transfer_bytes_per_request", "Mean KV bytes a hand-over moved "
+                                    "(one decode replica, since it started)", ["model"], registry=r)
+        self.transfer_ms = Gauge("chatserve_kv_transfer_ms_per_request", "Mean milliseconds a hand-over took to "
+                                 "move and write its KV blocks (one decode replica, since it started)", ["model"],
+                                 registry=r)
 
     # -- requests -------------------------------------------------------------------
 
@@ -166,6 +180,26 @@ class IngressMetrics:
         self.kv_usage.labels(model).set(stats.kv_blocks_used / total if total > 0 else 0.0)
         queried = stats.prefix_cache_query_tokens
         self.prefix_hit.labels(model).set(stats.prefix_cache_hit_tokens / queried if queried > 0 else 0.0)
+
+    async def refresh_side_gauges(self, stats_of: Mapping[str, Mapping[str, object]]) -> None:
+        """Set the disaggregated models' gauges from each side's `stats` (awaitables keyed by
+        model id, then side: prefill, decode); a side that does not answer keeps its last values."""
+        for model, sides in stats_of.items():
+            for side, pending in sides.items():
+                try:
+                    stats = await asyncio.wait_for(_awaited(pending), STATS_TIMEOUT_S)
+                except Exception as exc:  # noqa: BLE001 - a scrape never fails for one worker
+                    logger.warning("stats of model %s (%s side) unavailable: %r", model, side, exc)
+                    continue
+                self.side_running.labels(model, side).set(stats.running)
+                self.side_waiting.labels(model, side).set(stats.waiting)
+                total = stats.kv_blocks_total
+                self.side_kv_usage.labels(model, side).set(stats.kv_blocks_used / total if total > 0 else 0.0)
+                if side == "decode":
+                    received = stats.kv_handoffs_received
+                    self.handoffs.labels(model).set(received)
+                    self.transfer_bytes.labels(model).set(stats.kv_transfer_bytes / received if received else 0.0)
+                    self.transfer_ms.labels(model).set(stats.kv_transfer_ms / received if received else 0.0)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

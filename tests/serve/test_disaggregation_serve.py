@@ -10,7 +10,9 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
+import httpx
 import openai
 import pytest
 from ray import serve
@@ -113,3 +115,37 @@ def test_a_killed_prefill_replica_fails_no_request(apps):
         thread.join(timeout=180)
     assert results == want
     wait_ready(apps["pd"], timeout=120)
+
+
+def test_metrics_show_each_side_and_the_transfer(apps):
+    complete(apps["pd"], PROMPTS[5], False)
+    text = httpx.get(apps["pd"] + "/metrics", timeout=30).text
+    for side in ("prefill", "decode"):
+        assert f'chatserve_pd_kv_cache_usage_ratio{{model="{TINY_MODEL_ID}",side="{side}"}}' in text
+        assert f'chatserve_pd_waiting_sequences{{model="{TINY_MODEL_ID}",side="{side}"}}' in text
+    handoffs = next(line for line in text.splitlines() if line.startswith("chatserve_kv_handoffs{"))
+    assert float(handoffs.split()[-1]) >= 1
+    transfer = next(line for line in text.splitlines() if line.startswith("chatserve_kv_transfer_bytes_per_request{"))
+    assert float(transfer.split()[-1]) > 0
+
+
+def test_a_client_that_leaves_frees_both_sides(apps):
+    """Streams dropped after their first token (while the hand-over may be under way) and
+    after their fifth: neither side keeps a running request."""
+    for after in (1, 5):
+        for prompt in PROMPTS[:4]:
+            stream = client(apps["pd"]).chat.completions.create(
+                model=TINY_MODEL_ID, messages=[{"role": "user", "content": prompt}], max_tokens=100,
+                temperature=0, stream=True, extra_body={"ignore_eos": True})
+            seen = 0
+            for chunk in stream:
+                seen += bool(chunk.choices and chunk.choices[0].delta.content)
+                if seen == after:
+                    break
+            stream.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if prefill_stats().active_requests == 0 and worker_stats(APP, TINY_MODEL_ID).active_requests == 0:
+            return
+        time.sleep(0.2)
+    raise AssertionError("a side still runs a request whose client left")

@@ -7,27 +7,41 @@ first); the run stops at the first block no longer cached. Import takes free blo
 writes the K/V into them and registers them under the same chain hashes, so the decode
 replica's request finds them as a prefix-cache hit and computes only what follows. A
 block the decode replica already caches is not written again.
+
+The payload holds numpy arrays, not tensors: Ray moves those through its object store
+without pickling them (a 2,000-token prompt of the default model, 92 MB, pickled as
+tensors took 0.9 s and unpickled 0.6 s on a 2-core EPYC; as arrays it is one copy into
+shared memory). bfloat16, which numpy lacks, travels as its int16 bits.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from workers.engine.block_manager import BlockManager
 from workers.model.kv_cache import PagedKVCache
 
+_BITS_OF = {torch.bfloat16: torch.int16}  # dtypes numpy lacks, carried as their bits
+
 
 @dataclass
 class KVBlocks:
     """The K and V of the first `len(token_ids)` tokens of a prompt (whole blocks), every
-    layer: keys and values [layers, tokens, kv_heads, head_dim], on the CPU."""
+    layer: keys and values [layers, blocks, block_size, kv_heads, head_dim] in the cache's
+    dtype (`dtype`, its name; bfloat16 as int16 bits)."""
 
     token_ids: list[int]
-    block_size: int
-    keys: torch.Tensor
-    values: torch.Tensor
+    dtype: str
+    keys: np.ndarray
+    values: np.ndarray
+
+    @property
+    def block_size(self) -> int:
+        return self.keys.shape[2]
 
     @property
     def nbytes(self) -> int:
@@ -40,29 +54,45 @@ def export_blocks(blocks: BlockManager, cache: PagedKVCache, token_ids: list[int
     held = blocks.cached_blocks(blocks.prefix_hashes(token_ids, salt))
     if not held:
         return None
-    slots = _slots(held, blocks.block_size, cache.keys.device)
-    return KVBlocks(list(token_ids[:len(held) * blocks.block_size]), blocks.block_size,
-                    cache.keys[:, slots].cpu(), cache.values[:, slots].cpu())
+    ids = torch.tensor(held, dtype=torch.long, device=cache.keys.device)
+    keys, values = (_by_block(pool, blocks.block_size).index_select(1, ids) for pool in (cache.keys, cache.values))
+    return KVBlocks(list(token_ids[:len(held) * blocks.block_size]), str(cache.keys.dtype).removeprefix("torch."),
+                    _array(keys), _array(values))
 
 
 def import_blocks(blocks: BlockManager, cache: PagedKVCache, payload: KVBlocks, salt: bytes) -> int:
     """Write the payload's blocks this cache lacks into it; returns how many it wrote. A
-    payload of another block size or layout writes nothing."""
-    if payload.block_size != blocks.block_size or payload.keys.shape[0] != cache.keys.shape[0] or \
-            payload.keys.shape[2:] != cache.keys.shape[2:]:
+    payload of another block size, layout or dtype writes nothing."""
+    expected = (cache.keys.shape[0], blocks.block_size, *cache.keys.shape[2:])
+    if (payload.keys.shape[0], *payload.keys.shape[2:]) != expected or \
+            payload.dtype != str(cache.keys.dtype).removeprefix("torch."):
         return 0
     taken = blocks.cache_blocks(blocks.prefix_hashes(payload.token_ids, salt))
     if not taken:
         return 0
-    bs, device = blocks.block_size, cache.keys.device
-    source = _slots([index for index, _ in taken], bs, torch.device("cpu"))
-    target = _slots([block for _, block in taken], bs, device)
-    cache.keys[:, target] = payload.keys[:, source].to(device, cache.keys.dtype)
-    cache.values[:, target] = payload.values[:, source].to(device, cache.values.dtype)
+    device = cache.keys.device
+    source = torch.tensor([index for index, _ in taken], dtype=torch.long)
+    target = torch.tensor([block for _, block in taken], dtype=torch.long, device=device)
+    for pool, part in ((cache.keys, payload.keys), (cache.values, payload.values)):
+        written = _tensor(part, cache.keys.dtype).index_select(1, source).to(device)
+        _by_block(pool, blocks.block_size).index_copy_(1, target, written)
     return len(taken)
 
 
-def _slots(block_ids: list[int], block_size: int, device: torch.device) -> torch.Tensor:
-    """The token slots of `block_ids`, in order."""
-    ids = torch.tensor(block_ids, dtype=torch.long, device=device)
-    return (ids[:, None] * block_size + torch.arange(block_size, device=device)).reshape(-1)
+def _by_block(pool: torch.Tensor, block_size: int) -> torch.Tensor:
+    """A pool [layers, slots, heads, dim] seen as [layers, blocks, block_size, heads, dim]."""
+    layers, slots, *rest = pool.shape
+    return pool.view(layers, slots // block_size, block_size, *rest)
+
+
+def _array(tensor: torch.Tensor) -> np.ndarray:
+    bits = _BITS_OF.get(tensor.dtype)
+    tensor = tensor.cpu()
+    return (tensor.view(bits) if bits is not None else tensor).numpy()
+
+
+def _tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    with warnings.catch_warnings():  # the object store's arrays are read-only; they are only read here
+        warnings.simplefilter("ignore", UserWarning)
+        tensor = torch.from_numpy(array)
+    return tensor.view(dtype) if dtype in _BITS_OF else tensor

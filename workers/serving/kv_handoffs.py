@@ -34,6 +34,7 @@ class TransferStats:
     sent: int = 0  # requests handed over (prefill side)
     received: int = 0  # hand-overs whose blocks were taken and written here (decode side)
     missed: int = 0  # hand-overs whose blocks could not be had: the prompt computed again
+    tokens: int = 0  # prompt tokens whose K/V were taken
     bytes: int = 0  # K/V bytes taken
     ms: float = 0.0  # time taking and writing them
 
@@ -84,6 +85,7 @@ class KVHandoffs:
             return 0
         written = await self.engine.call(lambda engine: engine.import_prefix(payload, lora))
         self.stats.received += 1
+        self.stats.tokens += len(payload.token_ids)
         self.stats.bytes += payload.nbytes
         self.stats.ms += (time.perf_counter() - start) * 1000
         return written

@@ -51,6 +51,7 @@ def test_the_decode_engine_goes_on_as_an_uninterrupted_run(paged_model, prompt, 
     payload, first = prefilled(paged_model, prompt, params)
     bs = 4
     assert len(payload.token_ids) == len(prompt) // bs * bs and payload.token_ids == prompt[:len(payload.token_ids)]
+    assert payload.keys.shape[1:3] == (len(prompt) // bs, bs) and payload.dtype == "float32"
     decode = make_engine(paged_model)
     assert decode.import_prefix(payload) == len(prompt) // bs
     choices = decode.replay_output(prompt, params, first, decode.compile_guide(params))
@@ -67,7 +68,7 @@ def test_blocks_already_held_are_not_written_again(paged_model, prompt):
     keys = decode.kv_cache.keys.clone()
     assert decode.import_prefix(payload) == 0
     assert torch.equal(decode.kv_cache.keys, keys)
-    shorter = KVBlocks(payload.token_ids[:8], 4, payload.keys[:, :8], payload.values[:, :8])
+    shorter = KVBlocks(payload.token_ids[:8], payload.dtype, payload.keys[:, :2], payload.values[:, :2])
     assert decode.import_prefix(shorter) == 0
 
 
@@ -83,8 +84,10 @@ def test_blocks_of_another_layout_are_refused(paged_model, prompt):
     payload, _ = prefilled(paged_model, prompt, GREEDY)
     decode = make_engine(paged_model, block_size=8, num_blocks=128)
     assert decode.import_prefix(payload) == 0
-    wrong_heads = KVBlocks(payload.token_ids, 4, payload.keys[:, :, :1], payload.values[:, :, :1])
+    wrong_heads = KVBlocks(payload.token_ids, payload.dtype, payload.keys[:, :, :, :1], payload.values[:, :, :, :1])
     assert make_engine(paged_model).import_prefix(wrong_heads) == 0
+    wrong_dtype = KVBlocks(payload.token_ids, "float16", payload.keys, payload.values)
+    assert make_engine(paged_model).import_prefix(wrong_dtype) == 0
 
 
 def test_a_full_pool_takes_what_fits(paged_model, prompt):
@@ -92,3 +95,26 @@ def test_a_full_pool_takes_what_fits(paged_model, prompt):
     decode = make_engine(paged_model, num_blocks=3)
     assert decode.import_prefix(payload) == 3
     assert decode.blocks.num_free_blocks == 3  # imported blocks wait, evictable, in the free pool
+
+
+def test_bfloat16_blocks_travel_as_their_bits():
+    """numpy has no bfloat16: the payload holds the int16 bits, and the blocks written are the
+    exported ones bit for bit (here straight from two pools, no model)."""
+    from workers.engine.block_manager import BlockManager
+    from workers.engine.kv_transfer import export_blocks, import_blocks
+    from workers.model.kv_cache import KVCacheShape, PagedKVCache
+
+    shape = KVCacheShape(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+    source, target = (BlockManager(16, 4) for _ in range(2))
+    source_cache, target_cache = (PagedKVCache(shape, 16, 4, torch.device("cpu")) for _ in range(2))
+    source_cache.keys.normal_()
+    source_cache.values.normal_()
+    ids = list(range(100, 113))  # 3 whole blocks and a partial one
+    held = [block for _, block in source.cache_blocks(source.prefix_hashes(ids))]
+    payload = export_blocks(source, source_cache, ids, b"")
+    assert payload.dtype == "bfloat16" and payload.keys.dtype.name == "int16" and len(payload.token_ids) == 12
+    assert import_blocks(target, target_cache, payload, b"") == 3
+    written = target.cached_blocks(target.prefix_hashes(ids))
+    for pool, other in ((source_cache.keys, target_cache.keys), (source_cache.values, target_cache.values)):
+        for a, b in zip(held, written):
+            assert torch.equal(pool[:, a * 4:(a + 1) * 4], other[:, b * 4:(b + 1) * 4])
