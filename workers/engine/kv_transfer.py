@@ -6,7 +6,9 @@ prefill replica's request ended (registered by chain hash, evicted least recentl
 first); the run stops at the first block no longer cached. Import takes free blocks,
 writes the K/V into them and registers them under the same chain hashes, so the decode
 replica's request finds them as a prefix-cache hit and computes only what follows. A
-block the decode replica already caches is not written again.
+decode replica that already caches the prompt's first blocks (an earlier turn of the
+conversation) takes only the blocks after them (`held_blocks`, `KVBlocks.after`), and a
+block it caches meanwhile is not written again.
 
 The payload holds numpy arrays, not tensors: Ray moves those through its object store
 without pickling them (a 2,000-token prompt of the default model, 92 MB, pickled as
@@ -30,14 +32,22 @@ _BITS_OF = {torch.bfloat16: torch.int16}  # dtypes numpy lacks, carried as their
 
 @dataclass
 class KVBlocks:
-    """The K and V of the first `len(token_ids)` tokens of a prompt (whole blocks), every
-    layer: keys and values [layers, blocks, block_size, kv_heads, head_dim] in the cache's
-    dtype (`dtype`, its name; bfloat16 as int16 bits)."""
+    """The K and V of the first `len(token_ids)` tokens of a prompt (whole blocks) from block
+    `first_block` on, every layer: keys and values [layers, blocks, block_size, kv_heads,
+    head_dim] in the cache's dtype (`dtype`, its name; bfloat16 as int16 bits). The token
+    ids are all of them: the blocks' chain hashes start at the prompt's first token."""
 
     token_ids: list[int]
     dtype: str
     keys: np.ndarray
     values: np.ndarray
+    first_block: int = 0
+
+    def after(self, blocks: int) -> "KVBlocks":
+        """The payload less its first `blocks` blocks (a receiver holds those already)."""
+        skip = max(0, blocks - self.first_block)
+        return KVBlocks(self.token_ids, self.dtype, self.keys[:, skip:], self.values[:, skip:],
+                        self.first_block + skip)
 
     @property
     def block_size(self) -> int:
@@ -60,6 +70,11 @@ def export_blocks(blocks: BlockManager, cache: PagedKVCache, token_ids: list[int
                     _array(keys), _array(values))
 
 
+def held_blocks(blocks: BlockManager, token_ids: list[int], salt: bytes) -> int:
+    """How many of the prompt's first full blocks this cache holds already."""
+    return len(blocks.cached_blocks(blocks.prefix_hashes(token_ids, salt)))
+
+
 def import_blocks(blocks: BlockManager, cache: PagedKVCache, payload: KVBlocks, salt: bytes) -> int:
     """Write the payload's blocks this cache lacks into it; returns how many it wrote. A
     payload of another block size, layout or dtype writes nothing."""
@@ -67,7 +82,10 @@ def import_blocks(blocks: BlockManager, cache: PagedKVCache, payload: KVBlocks, 
     if (payload.keys.shape[0], *payload.keys.shape[2:]) != expected or \
             payload.dtype != str(cache.keys.dtype).removeprefix("torch."):
         return 0
-    taken = blocks.cache_blocks(blocks.prefix_hashes(payload.token_ids, salt))
+    hashes = blocks.prefix_hashes(payload.token_ids, salt)
+    if held_blocks(blocks, payload.token_ids[:payload.first_block * blocks.block_size], salt) < payload.first_block:
+        return 0  # the blocks before the payload's are gone: its own would hang from nothing
+    taken = blocks.cache_blocks(hashes[payload.first_block:payload.first_block + payload.keys.shape[1]])
     if not taken:
         return 0
     device = cache.keys.device

@@ -28,7 +28,12 @@ from workers.engine.engine_info import (
     EngineStats,
     queued_prompt_tokens,
 )
-from workers.engine.kv_transfer import KVBlocks, export_blocks, import_blocks
+from workers.engine.kv_transfer import (
+    KVBlocks,
+    export_blocks,
+    held_blocks,
+    import_blocks,
+)
 from workers.engine.model_setup import (
     adapter_slots,
     decode_path,
@@ -197,6 +202,10 @@ class LLMEngine:
         if self.shard_group is not None:
             return None
         return export_blocks(self.blocks, self.kv_cache, token_ids, _salt(lora))
+
+    def held_prefix_blocks(self, token_ids: list[int], lora: str | None = None) -> int:
+        """How many of a prompt's first full blocks this engine caches already."""
+        return held_blocks(self.blocks, token_ids, _salt(lora))
 
     def import_prefix(self, payload: KVBlocks, lora: str | None = None) -> int:
         """Write another replica's prompt blocks into this one's prefix cache; returns the

@@ -135,13 +135,14 @@ class ModelWorker:
         finally:
             self.channels.close(ingress_id, outbox)
 
-    async def take_kv(self, key: str, replica: str | None = None) -> KVBlocks | None:
-        """A hand-over's KV blocks, once, for the decode replica going on with the request;
-        `replica` pins the call to this replica (the router reads it)."""
-        return self.processor.handoffs.take(key)
+    async def take_kv(self, key: str, held_blocks: int = 0, replica: str | None = None) -> KVBlocks | None:
+        """A hand-over's KV blocks, once, for the decode replica going on with the request,
+        less the first `held_blocks` it has; `replica` pins the call to this replica (the
+        router reads it)."""
+        return self.processor.handoffs.take(key, held_blocks)
 
-    async def _take_from_prefill(self, handoff: KVHandoff) -> KVBlocks | None:
-        call = self._prefill.take_kv.remote(handoff.key, replica=handoff.replica)
+    async def _take_from_prefill(self, handoff: KVHandoff, held_blocks: int) -> KVBlocks | None:
+        call = self._prefill.take_kv.remote(handoff.key, held_blocks, replica=handoff.replica)
         try:
             return await asyncio.wait_for(call, KV_FETCH_TIMEOUT_S)
         except TimeoutError:

@@ -5,7 +5,9 @@ be taken, and a decode replica's taking of them into its own cache.
 The store keeps each payload until a decode replica takes it, or for `ttl_s` (the
 request was cancelled, or its decode replica went away and the resume computes the
 prompt again). Taking goes by `fetch`, a call pinned to the prefill replica that the
-worker deployment supplies; any failure there only costs the decode replica the prefill.
+worker deployment supplies, for the blocks after those the decode replica caches already
+(an earlier turn of the conversation); any failure there only costs the decode replica
+the prefill.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TTL_S = 60.0
 
-Fetch = Callable[[KVHandoff], Awaitable[KVBlocks | None]]
+Fetch = Callable[[KVHandoff, int], Awaitable[KVBlocks | None]]  # (hand-over, blocks held already)
 
 
 @dataclass
@@ -35,6 +37,7 @@ class TransferStats:
     received: int = 0  # hand-overs whose blocks were taken and written here (decode side)
     missed: int = 0  # hand-overs whose blocks could not be had: the prompt computed again
     tokens: int = 0  # prompt tokens whose K/V were taken
+    held_tokens: int = 0  # prompt tokens of hand-overs this replica held already (not taken)
     bytes: int = 0  # K/V bytes taken
     ms: float = 0.0  # time taking and writing them
 
@@ -63,10 +66,11 @@ class KVHandoffs:
         self._waiting[key] = (payload, time.monotonic())
         return KVHandoff(self.replica, key, len(payload.token_ids), payload.nbytes)
 
-    def take(self, key: str) -> KVBlocks | None:
-        """The payload of a hand-over, once (None: expired, or taken already)."""
+    def take(self, key: str, held_blocks: int = 0) -> KVBlocks | None:
+        """The payload of a hand-over, once, less the first `held_blocks` blocks the receiver
+        has (None: expired, or taken already)."""
         entry = self._waiting.pop(key, None)
-        return entry[0] if entry is not None else None
+        return entry[0].after(held_blocks) if entry is not None else None
 
     async def receive(self, handoff: KVHandoff, prompt_ids: list[int], lora: str | None) -> int:
         """Take a hand-over's blocks into this replica's cache before its request is queued;
@@ -74,8 +78,9 @@ class KVHandoffs:
         if not handoff.tokens or self._fetch is None:
             return 0
         start = time.perf_counter()
+        held = await self.engine.call(lambda engine: engine.held_prefix_blocks(prompt_ids, lora))
         try:
-            payload = await self._fetch(handoff)
+            payload = await self._fetch(handoff, held)
         except Exception as exc:  # noqa: BLE001 - the prefill replica went away: compute the prompt here
             logger.warning("taking KV blocks from prefill replica %s failed (%s): computing the prompt",
                            handoff.replica, type(exc).__name__)
@@ -85,7 +90,9 @@ class KVHandoffs:
             return 0
         written = await self.engine.call(lambda engine: engine.import_prefix(payload, lora))
         self.stats.received += 1
-        self.stats.tokens += len(payload.token_ids)
+        block_size = payload.block_size
+        self.stats.held_tokens += payload.first_block * block_size
+        self.stats.tokens += len(payload.token_ids) - payload.first_block * block_size
         self.stats.bytes += payload.nbytes
         self.stats.ms += (time.perf_counter() - start) * 1000
         return written

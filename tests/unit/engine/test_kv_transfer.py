@@ -118,3 +118,21 @@ def test_bfloat16_blocks_travel_as_their_bits():
     for pool, other in ((source_cache.keys, target_cache.keys), (source_cache.values, target_cache.values)):
         for a, b in zip(held, written):
             assert torch.equal(pool[:, a * 4:(a + 1) * 4], other[:, b * 4:(b + 1) * 4])
+
+
+def test_a_receiver_holding_the_first_blocks_takes_only_the_rest(paged_model, prompt):
+    """An earlier turn cached the conversation's first blocks on the decode engine: the
+    payload after them is written behind those, and the request finds the whole prompt."""
+    payload, _ = prefilled(paged_model, prompt, GREEDY)
+    decode = make_engine(paged_model)
+    earlier = prompt[:9]  # two whole blocks of 4
+    decode.add_request(earlier, SamplingParams(max_tokens=1))
+    run_to_completion(decode)
+    held = decode.held_prefix_blocks(prompt)
+    assert held == 2
+    rest = payload.after(held)
+    assert rest.first_block == 2 and rest.keys.shape[1] == payload.keys.shape[1] - 2
+    assert decode.import_prefix(rest) == payload.keys.shape[1] - 2
+    assert decode.held_prefix_blocks(prompt) == payload.keys.shape[1]
+    orphan = make_engine(paged_model)  # holds nothing: blocks after a gap would never be found
+    assert orphan.import_prefix(rest) == 0

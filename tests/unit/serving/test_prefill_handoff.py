@@ -37,9 +37,10 @@ REQUESTS = {
 }
 
 
-def disaggregated(model, tokenizer, request, lose_blocks: bool = False):
+def disaggregated(model, tokenizer, request, lose_blocks: bool = False, warm_decode: bool = False):
     """(colocated chunks, prefill chunks, decode chunks, decode side's transfer stats, blocks the
-    decode engine found cached)."""
+    decode engine found cached). `warm_decode`: the decode side ran the request before (it
+    caches the prompt's blocks)."""
     eos = frozenset({tokenizer.eos_token_id})
     colocated_engine = make_engine(model, eos=eos, tokenizer=tokenizer)
     prefill_engine, decode_engine = (make_engine(model, eos=eos, tokenizer=tokenizer) for _ in range(2))
@@ -52,12 +53,15 @@ def disaggregated(model, tokenizer, request, lose_blocks: bool = False):
         try:
             sent = KVHandoffs(prefill, replica="p")
 
-            async def fetch(handoff: KVHandoff):
-                assert handoff.replica == "p"
-                return None if lose_blocks else sent.take(handoff.key)
+            async def fetch(handoff: KVHandoff, held_blocks: int):
+                assert handoff.replica == "p" and (held_blocks > 0) == warm_decode
+                return None if lose_blocks else sent.take(handoff.key, held_blocks)
 
             received = KVHandoffs(decode, replica="d", fetch=fetch)
             reference = await read(RequestProcessor(colocated, tokenizer), request)
+            if warm_decode:
+                await read(RequestProcessor(decode, tokenizer), request)
+                hits_before = decode_engine.blocks.hit_tokens
             first = await read(RequestProcessor(prefill, tokenizer, handoffs=sent),
                                dataclasses.replace(request, prefill_only=True))
             *out, last = first
@@ -65,6 +69,8 @@ def disaggregated(model, tokenizer, request, lose_blocks: bool = False):
             assert all(c.finish_reason is None for c in out)  # the cut is not the client's end
             onward = dataclasses.replace(request, resume=continuation(out, request.params.n), kv_handoff=last.handoff)
             rest = await read(RequestProcessor(decode, tokenizer, handoffs=received), onward)
+            if warm_decode:
+                decode_engine.blocks.hit_tokens -= hits_before
             return reference, out, rest, received.stats
         finally:
             prefill.stop()
@@ -105,3 +111,11 @@ def test_a_request_that_ends_at_its_first_token_is_not_handed_over(paged_model, 
     chunks, stats = asyncio.run(with_async_engine(make_engine(paged_model), body))
     assert [c.finish_reason for c in chunks] == ["length"] and all(c.handoff is None for c in chunks)
     assert stats.sent == 0
+
+
+def test_a_decode_replica_that_holds_the_prompt_takes_no_blocks(paged_model, tiny_tokenizer):
+    request = REQUESTS["greedy"]
+    reference, out, rest, stats, hits = disaggregated(paged_model, tiny_tokenizer, request, warm_decode=True)
+    assert per_choice(out + rest, 1) == per_choice(reference, 1)
+    assert stats.received == 1 and stats.tokens == 0 and stats.held_tokens >= 4 and stats.bytes == 0
+    assert hits >= 4
