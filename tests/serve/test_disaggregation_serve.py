@@ -2,8 +2,10 @@
 tiny model as a prefill deployment and a decode deployment. Through the OpenAI client,
 16 prompts of mixed lengths give the colocated app's greedy text, streamed and not, with
 the same usage; n = 2 seeded and a JSON-schema request too; every request's first token
-comes from the prefill side and its KV blocks reach the decode side; a prefill replica
-killed under load fails no request (they resume on the decode side)."""
+comes from the prefill side and its KV blocks reach the decode side; a LoRA adapter's
+tokens (both sides load it) equal peft's merged model's; a client that leaves frees both
+sides; a prefill replica killed under load fails no request (they resume on the decode
+side)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import pytest
 from ray import serve
 
 from serve_app.app import build_app, worker_deployment_name
+from tests.support.engines import template_ids
+from tests.support.lora_adapters import merged_greedy, merged_model, write_peft_adapter
 from tests.support.serve_fixtures import (
     TINY_MODEL_ID,
     delete_app,
@@ -33,20 +37,22 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "ok"], "additionalProperties": False}
 
 
-def pd_args(model_dir) -> dict:
+def pd_args(model_dir, adapter) -> dict:
     args = tiny_app_args(model_dir)
     model = args["models"][0]
     deployment = model.pop("deployment")
     model["disaggregation"] = {"prefill": dict(deployment), "decode": dict(deployment)}
+    model["lora"] = {"adapters": {"fixed": str(adapter)}}
     return args
 
 
 @pytest.fixture(scope="module")
-def apps(serve_instance, tiny_model_dir, tiny_app):
-    serve.run(build_app(pd_args(tiny_model_dir)), name=APP, route_prefix=f"/{APP}", blocking=False)
+def apps(serve_instance, tiny_model_dir, tiny_app, tiny_model, tmp_path_factory):
+    adapter = write_peft_adapter(tiny_model, tmp_path_factory.mktemp("pd_lora") / "fixed", seed=21)
+    serve.run(build_app(pd_args(tiny_model_dir, adapter)), name=APP, route_prefix=f"/{APP}", blocking=False)
     url = serve_instance.url(f"/{APP}")
     wait_ready(url, timeout=240)
-    yield {"pd": url, "colocated": tiny_app}
+    yield {"pd": url, "colocated": tiny_app, "adapter": adapter}
     delete_app(APP)
 
 
@@ -95,6 +101,21 @@ def test_sampled_and_guided_requests_are_the_colocated_apps(apps, fields):
     for stream in (False, True):
         assert complete(apps["pd"], PROMPTS[3], stream, **fields) == \
             complete(apps["colocated"], PROMPTS[3], stream, **fields)
+
+
+def test_a_lora_adapters_tokens_are_peft_merged_models(apps, tiny_model, tiny_tokenizer):
+    """Each token as the server's logprobs write it (the tiny model's tokens are often
+    partial UTF-8), against peft's merged model's greedy tokens."""
+    text = "Paris is the capital of"
+    want = [tiny_tokenizer.decode([t]) for t in
+            merged_greedy(merged_model(tiny_model, apps["adapter"]), template_ids(tiny_tokenizer, text), 6)]
+    body = {"model": "fixed", "messages": [{"role": "user", "content": text}], "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True, "logprobs": True}
+    received = worker_stats(APP, TINY_MODEL_ID).kv_handoffs_received
+    response = httpx.post(f"{apps['pd']}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert [t["token"] for t in response.json()["choices"][0]["logprobs"]["content"]] == want
+    assert worker_stats(APP, TINY_MODEL_ID).kv_handoffs_received == received + 1
 
 
 def test_a_killed_prefill_replica_fails_no_request(apps):
