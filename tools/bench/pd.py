@@ -34,6 +34,7 @@ import httpx
 import yaml
 
 from tools.bench.compare import REPO, SERVE_ENV, resolve_model
+from tools.bench.engine import percentile
 
 PORT = 8000
 APP = "bench"
@@ -97,13 +98,6 @@ def gaps(arrivals: list[list[float]], start: float = 0.0, end: float = float("in
     """Inter-token gaps (ms) whose later token arrived in [start, end], each stream's first
     gap (a hand-over's pause) left out."""
     return [(b - a) * 1000 for times in arrivals for a, b in zip(times[1:], times[2:]) if start <= b <= end]
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 async def measure(args, model, report: SetupReport) -> SetupReport:

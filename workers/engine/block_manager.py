@@ -72,14 +72,7 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.block_table or _needs_every_prompt_logit(seq):
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        hashes = self._block_hashes(seq, max_blocks)
-        blocks = []
-        for h in hashes:
-            block = self._cached.get(h)
-            if block is None:
-                break
-            blocks.append(block)
-        return blocks
+        return self.cached_blocks(self._block_hashes(seq, max_blocks))
 
     def use_prefix(self, seq: Sequence, blocks: list[int]) -> None:
         """Start `seq` with `blocks` (from `cached_prefix`) as computed context."""
