@@ -34,8 +34,9 @@ def build_app(args: dict[str, Any]) -> Application:
     workers, prefills = {}, {}
     for model in config.models:
         if model.disaggregation is not None:
-            prefills[model.id] = worker_deployment(model, config, "prefill").bind(model.model_dump())
-        workers[model.id] = worker_deployment(model, config).bind(model.model_dump(), prefills.get(model.id))
+            prefills[model.id] = worker_deployment(model, config, "prefill").bind(model.model_dump(), None, "prefill")
+        side = "decode" if model.disaggregation is not None else "colocated"
+        workers[model.id] = worker_deployment(model, config).bind(model.model_dump(), prefills.get(model.id), side)
     registry = LoraRegistry.bind() if any(m.lora is not None for m in config.models) else None
     return ChatIngress.options(**config.ingress.serve_options()).bind(config.model_dump(), workers, registry,
                                                                       prefills)

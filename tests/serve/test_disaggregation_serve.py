@@ -29,6 +29,7 @@ from tests.support.serve_fixtures import (
     wait_ready,
     worker_stats,
 )
+from tools.procfs import stat_fields, thread_ids
 
 APP = "pd"
 WORDS = "the quick brown fox jumps over the lazy dog while a bird sings of rivers and hills".split()
@@ -41,7 +42,7 @@ def pd_args(model_dir, adapter) -> dict:
     args = tiny_app_args(model_dir)
     model = args["models"][0]
     deployment = model.pop("deployment")
-    model["disaggregation"] = {"prefill": dict(deployment), "decode": dict(deployment)}
+    model["disaggregation"] = {"prefill": dict(deployment), "decode": dict(deployment), "prefill_nice": 5}
     model["lora"] = {"adapters": {"fixed": str(adapter)}}
     return args
 
@@ -101,6 +102,20 @@ def test_sampled_and_guided_requests_are_the_colocated_apps(apps, fields):
     for stream in (False, True):
         assert complete(apps["pd"], PROMPTS[3], stream, **fields) == \
             complete(apps["colocated"], PROMPTS[3], stream, **fields)
+
+
+def test_the_prefill_side_runs_its_model_at_the_configured_niceness(apps):
+    """prefill_nice: added to the prefill replica's engine and model threads' niceness, not
+    its main thread's (the event loop); the decode replica's threads all keep theirs."""
+    def nice_values(pid: int) -> set[int]:
+        return {int(fields[16]) for tid in thread_ids(pid)
+                if (fields := stat_fields(f"/proc/{pid}/task/{tid}/stat")) is not None}
+
+    prefill_pid, decode_pid = prefill_stats().pid, worker_stats(APP, TINY_MODEL_ID).pid
+    base = int(stat_fields(f"/proc/{prefill_pid}/stat")[16])  # Ray's worker niceness (some of Ray's threads keep 0)
+    niced = min(19, base + 5)
+    assert niced not in nice_values(decode_pid)
+    assert nice_values(prefill_pid) == nice_values(decode_pid) | {niced}
 
 
 def test_a_lora_adapters_tokens_are_peft_merged_models(apps, tiny_model, tiny_tokenizer):

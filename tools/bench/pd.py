@@ -64,7 +64,7 @@ class SetupReport:
         return self.gap_p99_during_ms / self.gap_p99_alone_ms if self.gap_p99_alone_ms else float("nan")
 
 
-def app_args(model, dtype: str, threads: int, disaggregated: bool) -> dict:
+def app_args(model, dtype: str, threads: int, disaggregated: bool, prefill_nice: int | None = None) -> dict:
     """configs/default.yaml's app on `model`: one worker replica with `threads` torch threads,
     or a prefill and a decode replica with half as many each."""
     config = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())
@@ -75,6 +75,8 @@ def app_args(model, dtype: str, threads: int, disaggregated: bool) -> dict:
     spec["engine"]["torch_threads"] = max(1, threads // 2) if disaggregated else threads
     if disaggregated:
         spec["disaggregation"] = {"prefill": dict(deployment), "decode": dict(deployment)}
+        if prefill_nice is not None:
+            spec["disaggregation"]["prefill_nice"] = prefill_nice
     else:
         spec["deployment"] = deployment
     args["ingress"]["ray_actor_options"] = {"num_cpus": 0}
@@ -161,12 +163,14 @@ def run_setup(args, model, disaggregated: bool) -> SetupReport:
 
     from serve_app.app import build_app
 
-    report = SetupReport("disaggregated (1 prefill + 1 decode replica)" if disaggregated
+    nice = f", prefill_nice {args.prefill_nice}" if args.prefill_nice is not None else ""
+    report = SetupReport(f"disaggregated (1 prefill + 1 decode replica{nice})" if disaggregated
                          else "colocated (1 replica)")
     ray.init(include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-        serve.run(build_app(app_args(model, args.dtype, args.threads, disaggregated)), name=APP, route_prefix="/")
+        serve.run(build_app(app_args(model, args.dtype, args.threads, disaggregated, args.prefill_nice)), name=APP,
+                  route_prefix="/")
         report = asyncio.run(measure(args, model, report))
     finally:
         serve.shutdown()
@@ -200,6 +204,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--long-delay-s", type=float, default=2.0, help="first long prompt after the streams start")
     parser.add_argument("--long-every-s", type=float, default=3.0)
     parser.add_argument("--setups", nargs="+", default=["colocated", "disaggregated"])
+    parser.add_argument("--prefill-nice", type=int, default=None, help="disaggregation.prefill_nice (default: "
+                        "the config's default)")
     parser.add_argument("--out", type=Path, default=REPO / "bench-results")
     args = parser.parse_args(argv)
     os.environ.update(SERVE_ENV)  # before Ray starts: its processes inherit them

@@ -186,6 +186,11 @@ class DisaggregationConfig(_Strict):
         "(replicas, autoscaling, ray_actor_options: its cores or GPU)")
     decode: WorkerDeploymentConfig = Field(
         WorkerDeploymentConfig(), description="Ray Serve options of the decode side's worker deployment")
+    prefill_nice: int = Field(
+        0, ge=0, le=19, description="CPU: added to the niceness of the prefill replicas' engine threads (their "
+        "model's threads too; at most 19): above 0, a core shared with a decode replica or the server's own "
+        "processes goes to those first, so running streams stall less while long prompts are prefilled, at the "
+        "long prompts' TTFT's expense")
 
     def sides(self) -> dict[str, WorkerDeploymentConfig]:
         return {"prefill": self.prefill, "decode": self.decode}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 from collections.abc import AsyncIterator
 
 from ray import serve
@@ -44,7 +45,12 @@ from workers.serving.tokenization import Tokenization
 logger = logging.getLogger(__name__)
 
 SHARD_CHECK_TIMEOUT_S = 10
-KV_FETCH_TIMEOUT_S = 30  # taking a hand-over's blocks; past it the decode replica computes the prompt
+# Taking a hand-over's blocks: past this the decode replica computes the prompt itself. A
+# call pinned to a prefill replica that died waits (Serve retries the pin) until it times
+# out, so the bound is short: a fixed part for the call, and time for the bytes at a rate
+# well below what the object store moved on 2 busy cores (~150 MB/s, docs/BENCHMARKS.md).
+KV_FETCH_BASE_S = 5.0
+KV_FETCH_BYTES_PER_S = 20e6
 
 
 def _end_replica(cause: BaseException) -> None:
@@ -74,13 +80,22 @@ def _resident_bytes() -> int:
 
 @serve.deployment(name="ModelWorker", health_check_period_s=10, health_check_timeout_s=30)
 class ModelWorker:
-    def __init__(self, model_config: dict, prefill: DeploymentHandle | None = None) -> None:
-        """`prefill`: the model's prefill deployment, for a decode replica (disaggregation)."""
+    def __init__(self, model_config: dict, prefill: DeploymentHandle | None = None, side: str = "colocated") -> None:
+        """`prefill`: the model's prefill deployment, for a decode replica (disaggregation);
+        `side`: colocated, prefill or decode."""
         route_to_serve_log(logging.getLogger("workers"))  # the ready line, the packing probe, engine errors
         self.config = ModelConfig.model_validate(model_config)
         built: list[BuiltEngine] = []
+        nice = self.config.disaggregation.prefill_nice if side == "prefill" else 0
 
         def build() -> LLMEngine:
+            if nice:
+                # This thread only (Linux niceness is per thread): the engine thread and the
+                # model threads it starts inherit it; the event loop, which streams first
+                # tokens and hands blocks over, keeps its priority. Raised, never lowered
+                # (that needs privileges), from what Ray started the process with.
+                tid = threading.get_native_id()
+                os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
             built.append(build_engine(self.config))
             return built[0].engine
 
@@ -144,7 +159,7 @@ class ModelWorker:
     async def _take_from_prefill(self, handoff: KVHandoff, held_blocks: int) -> KVBlocks | None:
         call = self._prefill.take_kv.remote(handoff.key, held_blocks, replica=handoff.replica)
         try:
-            return await asyncio.wait_for(call, KV_FETCH_TIMEOUT_S)
+            return await asyncio.wait_for(call, KV_FETCH_BASE_S + handoff.nbytes / KV_FETCH_BYTES_PER_S)
         except TimeoutError:
             call.cancel()
             raise
