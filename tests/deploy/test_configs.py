@@ -69,6 +69,16 @@ def test_multi_model_config_serves_two_distinct_ids():
     assert first.engine != second.engine  # the second id is a differently limited engine
 
 
+def test_disaggregated_config_fits_two_cores():
+    app = parse_app_config(load("disaggregated.yaml")["applications"][0]["args"])
+    (model,) = app.models
+    sides = model.disaggregation
+    assert sides is not None and model.engine.torch_threads == 1 and model.engine.enable_prefix_caching
+    reserved = sides.prefill.ray_actor_options["num_cpus"] + sides.decode.ray_actor_options["num_cpus"]
+    assert reserved + app.ingress.ray_actor_options["num_cpus"] <= 2  # fits a 2-core machine
+    assert sides.prefill_nice > 0
+
+
 def test_a_misspelt_key_in_default_yaml_names_its_dotted_path():
     args = copy.deepcopy(load("default.yaml")["applications"][0]["args"])
     args["models"][0]["deployment"]["autoscaling_config"] = {"max_replica": 2}  # typo

@@ -21,9 +21,12 @@ from dataclasses import dataclass
 class KVHandoff:
     """Where a request's prompt KV blocks wait: `key` in the store of the prefill replica
     `replica` (Serve's unique replica id); `tokens` prompt tokens (whole blocks), `nbytes`
-    their K and V."""
+    their K and V. `cached_tokens`: the prompt tokens the prefill replica found in its
+    prefix cache, what the request's usage reports (the decode replica's hits on the
+    handed-over blocks are not the client's)."""
 
     replica: str
     key: str
     tokens: int
     nbytes: int
+    cached_tokens: int | None = None

@@ -27,6 +27,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int = 0  # all choices
     cached_tokens: int | None = None  # known once the request's first step ran
+    cached_tokens_given: bool = False  # set by a hand-over (the prefill replica's count): kept as it is
 
 
 class ChoiceOutput:
@@ -86,7 +87,7 @@ class ChoiceOutput:
         for event in events:
             if event.queue_time is not None:
                 chunk.queue_time_ms = event.queue_time * 1000.0
-            if event.cached_tokens is not None:
+            if event.cached_tokens is not None and not usage.cached_tokens_given:
                 usage.cached_tokens = event.cached_tokens
             chunk.cached_tokens = usage.cached_tokens
             if event.beam_token_ids is not None:

@@ -54,17 +54,18 @@ class KVHandoffs:
         self._ttl_s = ttl_s
         self._waiting: dict[str, tuple[KVBlocks, float]] = {}
 
-    async def hand_off(self, prompt_ids: list[int], lora: str | None) -> KVHandoff:
+    async def hand_off(self, prompt_ids: list[int], lora: str | None, cached_tokens: int | None) -> KVHandoff:
         """Keep the prompt's cached blocks for a decode replica; the hand-over naming them
-        (0 tokens when none is cached: the decode replica computes the prompt)."""
+        (0 tokens when none is cached: the decode replica computes the prompt).
+        `cached_tokens`: the request's own prefix-cache hits, for its usage."""
         self._expire()
         payload = await self.engine.call(lambda engine: engine.export_prefix(prompt_ids, lora))
         self.stats.sent += 1
         if payload is None:
-            return KVHandoff(self.replica, "", 0, 0)
+            return KVHandoff(self.replica, "", 0, 0, cached_tokens)
         key = uuid.uuid4().hex
         self._waiting[key] = (payload, time.monotonic())
-        return KVHandoff(self.replica, key, len(payload.token_ids), payload.nbytes)
+        return KVHandoff(self.replica, key, len(payload.token_ids), payload.nbytes, cached_tokens)
 
     def take(self, key: str, held_blocks: int = 0) -> KVBlocks | None:
         """The payload of a hand-over, once, less the first `held_blocks` blocks the receiver

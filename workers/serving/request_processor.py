@@ -97,7 +97,7 @@ class RequestProcessor:
             active.close()
         if active.handed_off:
             lora = request.lora.key if request.lora is not None else None
-            handoff = await self.handoffs.hand_off(active.prompt_ids, lora)
+            handoff = await self.handoffs.hand_off(active.prompt_ids, lora, active.usage.cached_tokens)
             outbox.put(request.request_id, GenerationChunk(handoff=handoff))
 
     async def admit(self, request: GenerateRequest, outbox: ChunkOutbox, arrival: float) -> ActiveRequest | None:
@@ -114,6 +114,8 @@ class RequestProcessor:
             choices = [ChoiceOutput(self.tokenizer, prompt_ids, params, arrival, reasoning_open)
                        for _ in range(params.n)]
             usage = Usage(len(prompt_ids))
+            if request.kv_handoff is not None:  # the prefill replica's cache hits are the client's
+                usage.cached_tokens, usage.cached_tokens_given = request.kv_handoff.cached_tokens, True
             resume, done = None, []
             if request.resume is not None and not request.resume.is_empty:
                 # Replaying the client's ids costs two short decodes a token: off the loop.

@@ -89,6 +89,7 @@ def test_the_disaggregated_stream_is_the_colocated_one(paged_model, tiny_tokeniz
     assert all(c.error is None for c in stream)
     assert per_choice(stream, n) == per_choice(reference, n)
     assert stream[-1].completion_tokens == reference[-1].completion_tokens
+    assert stream[-1].cached_tokens == reference[-1].cached_tokens == 0  # the import's hits are not the client's
     assert {c.index for c in out if c.token_ids} == set(range(n))  # each choice's first token came from P
     assert stats.received == 1 and stats.bytes > 0 and stats.missed == 0
     assert hits >= n * 4  # the decode engine found the prompt's blocks (block size 4) cached
