@@ -154,7 +154,7 @@ class ChatIngress(HandleAPI):
             # the channels open: do it now rather than on the first request.
             asyncio.get_running_loop().create_task(self._info(model))
         self.created = int(time.time())
-        self.metrics = IngressMetrics(list(workers))  # this replica's own registry
+        self.metrics = IngressMetrics(list(workers), list(prefills))  # this replica's own registry
         # Each dialect's own state on this replica (the responses store), by route.
         self.dialect_states = {d.path: d.state(self.config.server) for d in DIALECTS if d.state is not None}
         route_request_log_to_serve()
@@ -178,8 +178,7 @@ class ChatIngress(HandleAPI):
         """Prometheus text format; worker gauges are read now, from one replica per model."""
         self.auth.check(request.headers.get("authorization"))
         await self.metrics.refresh_worker_gauges({m: h.stats.remote() for m, h in self.workers.items()})
-        await self.metrics.refresh_side_gauges({m: {"prefill": p.stats.remote(), "decode": self.workers[m].stats.remote()}
-                                                for m, p in self.prefill_workers.items()})
+        await self.metrics.refresh_prefill_gauges({m: p.stats.remote() for m, p in self.prefill_workers.items()})
         self.metrics.count_resumes({m: t.resumes for m, t in self.transports.items()})
         return Response(self.metrics.exposition(), headers={"content-type": CONTENT_TYPE})
 

@@ -66,9 +66,12 @@ def route_request_log_to_serve() -> None:
 
 
 class IngressMetrics:
-    def __init__(self, served_models: list[str] | None = None) -> None:
+    def __init__(self, served_models: list[str] | None = None, disaggregated: list[str] | None = None) -> None:
+        """`disaggregated`: the models served by a prefill and a decode deployment (their
+        worker gauges describe the decode side, also given as its `chatserve_pd_*` series)."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.served = frozenset(served_models or ())
+        self.disaggregated = frozenset(disaggregated or ())
         r = self.registry
         self.requests = Counter("chatserve_requests", "Generation requests by route, model and HTTP status",
                                 ["route", "model", "status"], registry=r)
@@ -180,26 +183,31 @@ class IngressMetrics:
         self.kv_usage.labels(model).set(stats.kv_blocks_used / total if total > 0 else 0.0)
         queried = stats.prefix_cache_query_tokens
         self.prefix_hit.labels(model).set(stats.prefix_cache_hit_tokens / queried if queried > 0 else 0.0)
+        if model in self.disaggregated:
+            self._set_side_gauges(model, "decode", stats)
 
-    async def refresh_side_gauges(self, stats_of: Mapping[str, Mapping[str, object]]) -> None:
-        """Set the disaggregated models' gauges from each side's `stats` (awaitables keyed by
-        model id, then side: prefill, decode); a side that does not answer keeps its last values."""
-        for model, sides in stats_of.items():
-            for side, pending in sides.items():
-                try:
-                    stats = await asyncio.wait_for(_awaited(pending), STATS_TIMEOUT_S)
-                except Exception as exc:  # noqa: BLE001 - a scrape never fails for one worker
-                    logger.warning("stats of model %s (%s side) unavailable: %r", model, side, exc)
-                    continue
-                self.side_running.labels(model, side).set(stats.running)
-                self.side_waiting.labels(model, side).set(stats.waiting)
-                total = stats.kv_blocks_total
-                self.side_kv_usage.labels(model, side).set(stats.kv_blocks_used / total if total > 0 else 0.0)
-                if side == "decode":
-                    received = stats.kv_handoffs_received
-                    self.handoffs.labels(model).set(received)
-                    self.transfer_bytes.labels(model).set(stats.kv_transfer_bytes / received if received else 0.0)
-                    self.transfer_ms.labels(model).set(stats.kv_transfer_ms / received if received else 0.0)
+    async def refresh_prefill_gauges(self, stats_of: Mapping[str, object]) -> None:
+        """Set the prefill side's `chatserve_pd_*` gauges from its `stats` (awaitables keyed by
+        model id; the decode side's come with the worker gauges); a side that does not answer
+        keeps its last values."""
+        for model, pending in stats_of.items():
+            try:
+                stats = await asyncio.wait_for(_awaited(pending), STATS_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - a scrape never fails for one worker
+                logger.warning("stats of model %s (prefill side) unavailable: %r", model, exc)
+                continue
+            self._set_side_gauges(model, "prefill", stats)
+
+    def _set_side_gauges(self, model: str, side: str, stats: WorkerStats) -> None:
+        self.side_running.labels(model, side).set(stats.running)
+        self.side_waiting.labels(model, side).set(stats.waiting)
+        total = stats.kv_blocks_total
+        self.side_kv_usage.labels(model, side).set(stats.kv_blocks_used / total if total > 0 else 0.0)
+        if side == "decode":
+            received = stats.kv_handoffs_received
+            self.handoffs.labels(model).set(received)
+            self.transfer_bytes.labels(model).set(stats.kv_transfer_bytes / received if received else 0.0)
+            self.transfer_ms.labels(model).set(stats.kv_transfer_ms / received if received else 0.0)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -64,7 +64,6 @@ class WorkerChannels:
         `prefill`: the channels of the model's prefill deployment, when disaggregated."""
         self.ingress_id = uuid.uuid4().hex
         self.resumes = 0  # requests resumed on another replica (a counter)
-        self.handoffs = 0  # requests handed from a prefill replica to this deployment (a counter)
         self._prefill = prefill
         self._resume = resume
         self._losses: dict[str, _Losses] = {}
@@ -134,7 +133,6 @@ class WorkerChannels:
         self._mailboxes[attempt] = mailbox
         request = dataclasses.replace(mailbox.request, request_id=attempt, resume=mailbox.continuation(),
                                       kv_handoff=handoff)
-        self.handoffs += 1
         mailbox.restart(self._send(request), attempt)
 
     def _send(self, request: GenerateRequest):

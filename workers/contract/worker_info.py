@@ -37,12 +37,14 @@ class WorkerStats:
     requests_by_call: int = 0  # ... and by their own call (no channel open yet)
     queued_prompt_tokens: int = 0  # prompt tokens the engine has not prefilled yet
     # Prefill/decode disaggregation (counters): requests handed over (prefill side); hand-overs
-    # whose KV blocks were taken in, or missed (the prompt computed again), and the prompt
-    # tokens, K/V bytes and milliseconds of taking them (decode side).
+    # whose KV blocks were taken in, or missed (the prompt computed again), the prompt
+    # tokens taken and those held already (not taken), and the K/V bytes and milliseconds
+    # of taking them (decode side).
     kv_handoffs_sent: int = 0
     kv_handoffs_received: int = 0
     kv_handoffs_missed: int = 0
     kv_transfer_tokens: int = 0
+    kv_held_tokens: int = 0
     kv_transfer_bytes: int = 0
     kv_transfer_ms: float = 0.0
 

@@ -215,6 +215,7 @@ class ModelWorker:
             kv_handoffs_received=transfers.received,
             kv_handoffs_missed=transfers.missed,
             kv_transfer_tokens=transfers.tokens,
+            kv_held_tokens=transfers.held_tokens,
             kv_transfer_bytes=transfers.bytes,
             kv_transfer_ms=transfers.ms,
         )
