@@ -105,6 +105,14 @@ class IngressMetrics:
                                "attempt: a request that lost two replicas, or had to try twice, counts twice)",
                                ["model"], registry=r)
         self._resumes_seen: dict[str, int] = {}
+        # Speculative decoding, per worker replica since it started (0 with speculation off).
+        self.spec_draft_tokens = Gauge("chatserve_spec_decode_draft_tokens", "Tokens proposed by speculative "
+                                       "decoding (one worker replica, since it started)", ["model"], registry=r)
+        self.spec_accepted_tokens = Gauge("chatserve_spec_decode_accepted_tokens", "Proposed tokens the model "
+                                          "accepted (one worker replica, since it started)", ["model"], registry=r)
+        self.spec_tokens_per_step = Gauge("chatserve_spec_decode_tokens_per_step", "Mean tokens a verification "
+                                          "step gave its sequence: 1 + accepted / verifications (one worker "
+                                          "replica, since it started)", ["model"], registry=r)
         # Disaggregated models (prefill/decode): each side's queue and KV, and the hand-overs.
         self.side_running = Gauge("chatserve_pd_running_sequences", "Sequences in the running batch of one worker "
                                   "replica of a disaggregated model's side", ["model", "side"], registry=r)
@@ -170,7 +178,8 @@ class IngressMetrics:
                 self.set_worker_gauges(model, stats)
             else:
                 logger.warning("stats of model %s unavailable: %r", model, stats)
-                for gauge in (self.running, self.waiting, self.kv_usage, self.prefix_hit):
+                for gauge in (self.running, self.waiting, self.kv_usage, self.prefix_hit, self.spec_draft_tokens,
+                              self.spec_accepted_tokens, self.spec_tokens_per_step):
                     try:
                         gauge.remove(model)
                     except KeyError:
@@ -183,6 +192,10 @@ class IngressMetrics:
         self.kv_usage.labels(model).set(stats.kv_blocks_used / total if total > 0 else 0.0)
         queried = stats.prefix_cache_query_tokens
         self.prefix_hit.labels(model).set(stats.prefix_cache_hit_tokens / queried if queried > 0 else 0.0)
+        self.spec_draft_tokens.labels(model).set(stats.spec_draft_tokens)
+        self.spec_accepted_tokens.labels(model).set(stats.spec_accepted_tokens)
+        drafts = stats.spec_drafts
+        self.spec_tokens_per_step.labels(model).set(1 + stats.spec_accepted_tokens / drafts if drafts else 0.0)
         if model in self.disaggregated:
             self._set_side_gauges(model, "decode", stats)
 

@@ -222,6 +222,17 @@ def test_kv_usage_gauge():
     assert 'chatserve_waiting_sequences{model="tiny-llama"} 1.0' in text
 
 
+def test_speculative_decoding_gauges():
+    metrics = IngressMetrics([TINY_MODEL_ID])
+    metrics.set_worker_gauges(TINY_MODEL_ID, WorkerStats(active_requests=1, waiting=0, running=1,
+                                                         kv_blocks_used=3, kv_blocks_total=12, engine_steps=9,
+                                                         spec_drafts=4, spec_draft_tokens=12, spec_accepted_tokens=6))
+    text = metrics.exposition().decode()
+    assert 'chatserve_spec_decode_draft_tokens{model="tiny-llama"} 12.0' in text
+    assert 'chatserve_spec_decode_accepted_tokens{model="tiny-llama"} 6.0' in text
+    assert 'chatserve_spec_decode_tokens_per_step{model="tiny-llama"} 2.5' in text
+
+
 def test_resumed_counter_follows_the_transport_count():
     metrics = IngressMetrics([TINY_MODEL_ID])
 

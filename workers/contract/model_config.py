@@ -197,6 +197,38 @@ class DisaggregationConfig(_Strict):
         return {"prefill": self.prefill, "decode": self.decode}
 
 
+class SpeculativeConfig(_Strict):
+    """Speculative decoding (vLLM's `speculative_config` names): a decoding sequence feeds
+    proposed next tokens beside its last one, and one forward of the model checks them
+    all (workers/speculative/). Greedy output is the same tokens as without; sampled
+    output keeps its distribution (and a seeded request its tokens)."""
+
+    method: str = Field(
+        description="ngram: proposals are the tokens that followed the latest earlier occurrence of the sequence's "
+        "last few tokens in its own prompt and output (no second model: pays where answers repeat their input, "
+        "as edits, code and extraction do). A draft model is not built")
+    num_speculative_tokens: int = Field(
+        ge=1, le=16, description="proposed tokens a sequence feeds at most per step; each sequence's own number "
+        "adapts: it halves after a rejection and grows back after a step that takes all")
+    prompt_lookup_min: int = Field(2, ge=1, le=32, description="ngram: the shortest suffix looked up")
+    prompt_lookup_max: int = Field(4, ge=1, le=32, description="ngram: the longest suffix looked up (longest first)")
+    disable_by_batch_size: int | None = Field(
+        2, ge=1, description="no proposals while this many sequences or more are running (default: proposals for "
+        "a sequence running alone): on a CPU the products are compute-bound from a few rows, so a wider step costs "
+        "nearly its width (make bench-spec, default model, 2-core AVX2: the chat load 7 % slower at 2 sequences, "
+        "6 % at 16, an edit load 25 % faster at 2, 10 % slower at 16); null: any batch")
+
+    @model_validator(mode="after")
+    def _known_method(self) -> "SpeculativeConfig":
+        if self.method != "ngram":
+            raise ValueError(f"method: {self.method!r} is not available; speculative decoding supports 'ngram' "
+                             "(a draft model is not built)")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) is above prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        return self
+
+
 class ParallelConfig(_Strict):
     """How one worker replica splits its model (workers/parallel/): its layers in
     `pipeline_parallel_size` stages, each stage split the Megatron way over
@@ -342,6 +374,8 @@ class ModelConfig(_Strict):
         None, description="LoRA adapters served on this model, each by its own name; unset: none (no LoRA code "
         "on the model's path)")
     parallel: ParallelConfig = Field(ParallelConfig(), description="splitting the model over several devices")
+    speculative: SpeculativeConfig | None = Field(
+        None, description="speculative decoding; unset: off (one token per sequence per step)")
     disaggregation: DisaggregationConfig | None = Field(
         None, description="run prefill and decode on separate worker deployments (their options here replace "
         "`deployment`); unset: each replica does both")

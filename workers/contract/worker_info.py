@@ -47,4 +47,8 @@ class WorkerStats:
     kv_held_tokens: int = 0
     kv_transfer_bytes: int = 0
     kv_transfer_ms: float = 0.0
+    # Speculative decoding (counters): verification chunks, tokens proposed in them, accepted.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 

@@ -1,5 +1,6 @@
 """The data of one step: which chunks of which sequences it computes (`ScheduledBatch`),
-and which extra logits rows score prompt tokens. The scheduler builds it, the model
+and which extra logits rows score prompt tokens (speculative decoding's rows that check
+proposals come after those). The scheduler builds it, the model
 runner reads it."""
 
 from __future__ import annotations
@@ -20,10 +21,23 @@ class ScheduledChunk:
     seq: Sequence
     num_tokens: int
     samples: bool
+    # Speculative decoding: proposed tokens fed after the sequence's last one (num_tokens is
+    # 1 + len(draft)); the step's logits at every fed position check them.
+    draft: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, seq: Sequence, num_tokens: int) -> "ScheduledChunk":
         return cls(seq, num_tokens, seq.num_computed_tokens + num_tokens == seq.num_tokens)
+
+    @classmethod
+    def verifying(cls, seq: Sequence, draft: tuple[int, ...]) -> "ScheduledChunk":
+        """A decoding sequence's last token and the proposed tokens after it."""
+        return cls(seq, 1 + len(draft), True, draft)
+
+    def fed_token_ids(self) -> list[int]:
+        """The token ids this chunk feeds, from its first uncomputed position."""
+        start = self.seq.num_computed_tokens
+        return self.seq.token_ids[start : start + self.num_tokens - len(self.draft)] + list(self.draft)
 
 
 @dataclass(frozen=True)
@@ -61,4 +75,9 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return len(self.decodes) + sum(c.num_tokens for c in self.prefills)
+
+    @property
+    def drafted(self) -> list[ScheduledChunk]:
+        """Chunks that feed proposed tokens, in the model runner's order of their draft rows."""
+        return [c for c in self.prefills if c.draft]
 

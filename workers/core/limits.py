@@ -18,6 +18,14 @@ class LoraLimits:
 
 
 @dataclass(frozen=True)
+class SpeculativeLimits:
+    num_tokens: int  # proposed tokens a sequence feeds at most per step
+    lookup_min: int  # ngram: the shortest suffix looked up
+    lookup_max: int  # ngram: the longest
+    disable_by_batch_size: int | None  # no proposals while this many sequences or more run (None: any batch)
+
+
+@dataclass(frozen=True)
 class EngineLimits:
     block_size: int = 16
     kv_cache_bytes: int = 512 * 1024**2
@@ -31,6 +39,7 @@ class EngineLimits:
     async_scheduling: bool = False  # launch the next decode step before reading this one's tokens
     direct_forward: bool = True  # CPU: Llama-shaped models skip transformers' modules (direct_forward.py)
     lora: LoraLimits | None = None  # LoRA adapters served (None: no LoRA layers in the model)
+    speculative: SpeculativeLimits | None = None  # speculative decoding (None: off)
 
 
 def model_window(model: torch.nn.Module) -> int:
@@ -51,10 +60,21 @@ def engine_limits(config: ModelConfig, model_window: int) -> EngineLimits:
         max_prefill_tokens_while_decoding=eng.max_prefill_tokens_while_decoding,
         priority_scheduling=eng.scheduling_policy == "priority",
         cuda_graph_max_batch=eng.cuda_graph_max_batch_size,
-        async_scheduling=eng.async_scheduling and config.device == "cuda",  # no overlap to win on a CPU
+        # No overlap to win on a CPU; with speculation each step's proposals come from the
+        # previous step's tokens, which async scheduling has not read back yet.
+        async_scheduling=eng.async_scheduling and config.device == "cuda" and config.speculative is None,
         direct_forward=eng.direct_forward,
         lora=LoraLimits(config.lora.max_loras, config.lora.max_lora_rank) if config.lora is not None else None,
+        speculative=_speculative_limits(config),
     )
+
+
+def _speculative_limits(config: ModelConfig) -> SpeculativeLimits | None:
+    spec = config.speculative
+    if spec is None:
+        return None
+    return SpeculativeLimits(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max,
+                             spec.disable_by_batch_size)
 
 
 class CapacityError(WorkerError, ValueError):

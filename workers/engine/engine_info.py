@@ -32,6 +32,10 @@ class EngineStats:
     prefix_cache_query_tokens: int  # counters: prompt tokens looked up in the prefix cache
     prefix_cache_hit_tokens: int  # ... and found there
     queued_prompt_tokens: int = 0  # prompt tokens not yet prefilled (recomputation after preemption included)
+    # Speculative decoding (counters): verification chunks run, tokens proposed in them, accepted.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 def queued_prompt_tokens(seqs: Iterable[Sequence]) -> int:

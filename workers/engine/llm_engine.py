@@ -57,6 +57,8 @@ from workers.parallel.shard_loop import KVPlan
 from workers.sampling.guided import GuideState
 from workers.sampling.logprobs import sampled_logprobs, score_prompts
 from workers.sampling.sampler import Sampler, SamplingTensors
+from workers.speculative.ngram_proposer import NgramProposer, SpeculationCounts
+from workers.speculative.verification import DraftRows, VerifyRows, accepted_count
 
 
 class LLMEngine:
@@ -89,10 +91,11 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, limits.block_size, limits.enable_prefix_caching)
         # Before the runner: its CUDA graphs capture the LoRA layers too.
         self.lora: AdapterSlots = adapter_slots(model, limits, shard_group, stage)
+        self.proposer = NgramProposer(limits.speculative) if limits.speculative is not None else None
         self.scheduler = Scheduler(
             SchedulerConfig(limits.max_num_seqs, limits.max_num_batched_tokens,
                             limits.max_prefill_tokens_while_decoding, limits.priority_scheduling),
-            self.blocks, self.lora,
+            self.blocks, self.lora, self.proposer,
         )
         self.runner = model_runner(model, self.kv_cache, device, path, limits, self.vocab_size, self.lora,
                                    shard_group, stage)
@@ -240,7 +243,11 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """The engine's load. Plain reads, so another thread may call it (a step may be
         half way: the numbers are a moment's, not one step's)."""
+        spec = self.proposer.counts if self.proposer is not None else SpeculationCounts()
         return EngineStats(
+            spec_drafts=spec.drafts,
+            spec_draft_tokens=spec.draft_tokens,
+            spec_accepted_tokens=spec.accepted_tokens,
             active_requests=self.num_active,
             waiting=len(self.scheduler.waiting),
             running=len(self.scheduler.running),
@@ -299,7 +306,12 @@ class LLMEngine:
         beam_rows = [i for i, c in enumerate(chunks) if c.seq.params.use_beam_search]
         events = self.beams.step([chunks[i].seq for i in beam_rows], logits[beam_rows]) if beam_rows else []
         sampling_rows = [i for i, c in enumerate(chunks) if not c.seq.params.use_beam_search]
-        return events + self._sample([chunks[i].seq for i in sampling_rows], logits, sampling_rows)
+        seqs = [chunks[i].seq for i in sampling_rows]
+        drafted = batch.drafted
+        if drafted:  # their first rows follow the prompt-logprob rows
+            drafts = DraftRows.locate(drafted, len(chunks) + sum(r.count for r in prompt_rows))
+            return events + self._verify(seqs, logits, sampling_rows, drafts)
+        return events + self._sample(seqs, logits, sampling_rows)
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write of shared blocks, in this pool and (split model) in every shard's."""
@@ -325,6 +337,36 @@ class LLMEngine:
         logprobs = sampled_logprobs(seqs, row_logits, tokens)
         results = self.scheduler.append_tokens(seqs, tokens.tolist())
         return token_events(results, logprobs, self._requests)
+
+    def _verify(self, seqs: list[Sequence], logits: torch.Tensor, sampling_rows: list[int],
+                drafts: DraftRows) -> list[TokenEvent]:
+        """_sample for a step with verification chunks: each drafted sequence samples all its
+        rows and keeps its proposals while they match (workers/speculative/verification.py)."""
+        seqs, rows = fork_choices(seqs, self.scheduler, self._requests, self._ids)
+        plan = VerifyRows.of(seqs, [sampling_rows[r] for r in rows], drafts)
+        row_logits = logits[plan.logit_rows]
+        tensors = SamplingTensors.from_sequences(plan.seqs, self.vocab_size, self.device, plan.pending)
+        if self.guided is not None:
+            tensors.guided = self.guided.mask([s.guide for s in plan.seqs], self.device)
+        tokens = self.sampler(row_logits, tensors)
+        logprobs = sampled_logprobs(plan.seqs, row_logits, tokens)
+        samples = tokens.tolist()
+        results, result_rows = [], []
+        for group in plan.groups:
+            seq, first = group.seq, group.first
+            accepted = accepted_count(samples[first : first + len(group.draft)], group.draft)
+            for row in range(first, first + accepted + 1):
+                reason = self.scheduler.append_token(seq, samples[row])
+                results.append((seq, samples[row], reason))
+                result_rows.append(row)
+                if reason is not None:
+                    break
+            if group.draft:
+                self.proposer.record(seq, len(group.draft), accepted)
+                if not seq.is_finished:
+                    self.scheduler.verified(seq, accepted)
+        by_result = {i: logprobs[row] for i, row in enumerate(result_rows) if row in logprobs}
+        return token_events(results, by_result, self._requests)
 
     def _launch_decodes(self, batch: ScheduledBatch, token_ids: torch.Tensor | None) -> torch.Tensor:
         """Async scheduling's device half: a decode-only step, sampled on the device."""

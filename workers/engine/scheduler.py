@@ -4,7 +4,9 @@ Policy (one step):
 1. Running sequences, oldest first: a decoding sequence feeds 1 token, a sequence
    mid-prefill feeds its next chunk. If the KV pool has no block for it, the newest
    running sequence is preempted (its blocks freed; it is recomputed later, so its
-   output does not change).
+   output does not change). With speculative decoding, a decoding sequence may feed the
+   proposer's tokens after its last one (while fewer than `disable_by_batch_size`
+   sequences run, and only into free blocks).
 2. Waiting sequences, in arrival order, while the step's token budget, the batch-size
    cap and the free blocks allow. A sequence first takes the longest prefix of full
    blocks found in the prefix cache (no budget spent on them); a prompt longer than
@@ -30,6 +32,7 @@ from workers.core.adapter_slots import AdapterSlots, NoAdapters
 from workers.core.batch import ScheduledBatch, ScheduledChunk
 from workers.core.sequence import FinishReason, Sequence, SequenceStatus
 from workers.engine.block_manager import BlockManager
+from workers.speculative.ngram_proposer import NgramProposer
 
 
 @dataclass(frozen=True)
@@ -55,10 +58,13 @@ def _adapter_slot(chunk: ScheduledChunk) -> int:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 lora: AdapterSlots = NoAdapters()) -> None:
+                 lora: AdapterSlots = NoAdapters(), proposer: NgramProposer | None = None) -> None:
+        """`proposer`: speculative decoding's; a decoding sequence it proposes tokens for
+        feeds them after its last one (a verification chunk, checked by the engine)."""
         self.config = config
         self.blocks = block_manager
         self.lora = lora
+        self.proposer = proposer
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # While the engine isolates a failing step: schedule this request alone.
@@ -148,6 +154,7 @@ class Scheduler:
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         queue = list(self.running)
+        proposing = self.proposer is not None and self.proposer.batch_allows(len(queue))
         while queue and budget > 0:
             seq = queue.pop(0)
             if self.only_request is not None and seq.request_id != self.only_request:
@@ -164,6 +171,9 @@ class Scheduler:
             if needed > self.blocks.num_free_blocks:
                 self._preempt(seq, batch)
                 continue
+            if proposing and n == 1 and self._take_draft(batch, seq, budget):
+                budget -= batch.prefills[-1].num_tokens
+                continue
             if needed:
                 batch.block_copies.extend(self.blocks.allocate(seq, n))
             self._take(batch, seq, n)
@@ -172,6 +182,21 @@ class Scheduler:
         preempted = {id(s) for s in batch.preempted}
         self.running = [s for s in self.running if id(s) not in preempted]
         return budget
+
+    def _take_draft(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> bool:
+        """Schedule decoding `seq` with proposed tokens after its last one, if the proposer
+        has some that fit the step's budget, the sequence's limits and the free blocks
+        (a proposal never preempts anyone)."""
+        if seq.num_uncomputed_tokens != 1:
+            return False
+        params = seq.params
+        room = min(budget, params.max_tokens - seq.num_output_tokens, seq.max_model_len - seq.num_tokens) - 1
+        draft = self.proposer.propose(seq, room)
+        if not draft or self.blocks.blocks_needed(seq, 1 + len(draft)) > self.blocks.num_free_blocks:
+            return False
+        batch.block_copies.extend(self.blocks.allocate(seq, 1 + len(draft)))
+        batch.add(ScheduledChunk.verifying(seq, draft))
+        return True
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         candidates = [s for s in self.waiting if self.only_request in (None, s.request_id)]
@@ -210,8 +235,16 @@ class Scheduler:
     def advance(self, batch: ScheduledBatch) -> None:
         """The step's tokens are now in the KV cache; blocks they filled become cacheable."""
         for chunk in batch.decodes + batch.prefills:
-            chunk.seq.num_computed_tokens += chunk.num_tokens
+            # A verification chunk's proposals count once checked (verified()).
+            chunk.seq.num_computed_tokens += chunk.num_tokens - len(chunk.draft)
             self.blocks.cache_computed_blocks(chunk.seq)
+
+    def verified(self, seq: Sequence, accepted: int) -> None:
+        """`accepted` proposals of a verification chunk were taken (and appended): their
+        K/V, written by the step, are now the sequence's. The rejected ones' slots are
+        written over when the sequence reaches those positions again."""
+        seq.num_computed_tokens += accepted
+        self.blocks.cache_computed_blocks(seq)
 
     def fork(self, parent: Sequence, children: list[Sequence]) -> None:
         """Start sibling choices right after `parent`, sharing its blocks."""
@@ -237,11 +270,12 @@ class Scheduler:
         self.finish(seq, FinishReason.ABORT)
 
     def append_tokens(self, seqs: list[Sequence], sampled: list[int]) -> list[tuple[Sequence, int, FinishReason | None]]:
-        results = []
-        for seq, token in zip(seqs, sampled):
-            reason = seq.append_token(token)
-            if reason is not None:
-                self.running.remove(seq)
-                self.finish(seq, reason)
-            results.append((seq, token, reason))
-        return results
+        return [(seq, token, self.append_token(seq, token)) for seq, token in zip(seqs, sampled)]
+
+    def append_token(self, seq: Sequence, token: int) -> FinishReason | None:
+        """Append a sampled token; a sequence it ends leaves the running batch."""
+        reason = seq.append_token(token)
+        if reason is not None:
+            self.running.remove(seq)
+            self.finish(seq, reason)
+        return reason

@@ -59,7 +59,8 @@ class ModelRunner:
         decode_token_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[PromptLogitRows]]:
         """Run one step. Returns float32 logits: first one row per sampling chunk (decodes
-        first), then the prompt-logprob rows described by the returned list. The logits
+        first), then the prompt-logprob rows described by the returned list, then each
+        verification chunk's rows for its last token and all but its last proposal. The logits
         may be a view of a CUDA graph's output buffer: valid until the next step.
         `decode_token_ids` [D] (on the device): the decode rows' input tokens when they are
         not on the host yet (async scheduling: the previous step's samples)."""
@@ -116,12 +117,14 @@ class ModelRunner:
         prompt_indices: list[int] = []
         prompt_rows: list[PromptLogitRows] = []
         spans: list[PrefillSpan] = []
+        draft_indices: list[int] = []  # speculative decoding: rows that check a chunk's proposals
         offset = len(decodes)
         for chunk in prefills:
             seq, n = chunk.seq, chunk.num_tokens
             start = seq.num_computed_tokens
             images.add(seq, start, n, offset)
-            token_ids.extend(seq.token_ids[start : start + n])
+            token_ids.extend(chunk.fed_token_ids())
+            draft_indices.extend(range(offset, offset + len(chunk.draft)))
             all_pos = torch.arange(start + n)
             all_slots = self._slots(seq.block_table, all_pos)
             pos_parts.append(all_pos[start:])
@@ -150,7 +153,8 @@ class ModelRunner:
         return ModelInputs(
             input_ids=input_ids,
             position_ids=torch.cat(pos_parts).to(device).unsqueeze(0),
-            logits_indices=torch.tensor(logits_indices + prompt_indices, dtype=torch.long, device=device),
+            logits_indices=torch.tensor(logits_indices + prompt_indices + draft_indices, dtype=torch.long,
+                                        device=device),
             attn_metadata=metadata,
             prompt_rows=prompt_rows,
             **images.tensors(device),

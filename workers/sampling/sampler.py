@@ -87,9 +87,10 @@ class SamplingTensors:
 
     @classmethod
     def from_sequences(cls, seqs: list[Sequence], vocab_size: int, device: torch.device,
-                       pending: int = 0) -> "SamplingTensors":
+                       pending: int | list[int] = 0) -> "SamplingTensors":
         """`pending`: tokens each sequence has sampled but not appended yet (async
-        scheduling samples one step ahead), so seeded rows draw for the right position."""
+        scheduling samples one step ahead; a speculative step's row j of a sequence comes j
+        tokens after its end: a list, by row), so seeded rows draw for the right position."""
         params = [s.params for s in seqs]
         greedy = [p.greedy for p in params]
         temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
@@ -117,12 +118,13 @@ class SamplingTensors:
         )
 
 
-def _seeded_rows(seqs: list[Sequence], sampled: list[bool], pending: int, device: torch.device) -> SeededRows | None:
+def _seeded_rows(seqs: list[Sequence], sampled: list[bool], pending: int | list[int],
+                 device: torch.device) -> SeededRows | None:
     rows = [i for i, s in enumerate(seqs) if sampled[i] and s.params.seed is not None]
     if not rows:
         return None
-    chosen = [seqs[i] for i in rows]
-    return SeededRows.build(rows, [s.seed_key for s in chosen], [s.num_output_tokens + pending for s in chosen],
+    ahead = pending if isinstance(pending, list) else [pending] * len(seqs)
+    return SeededRows.build(rows, [seqs[i].seed_key for i in rows], [seqs[i].num_output_tokens + ahead[i] for i in rows],
                             device)
 
 

@@ -218,6 +218,9 @@ class ModelWorker:
             kv_held_tokens=transfers.held_tokens,
             kv_transfer_bytes=transfers.bytes,
             kv_transfer_ms=transfers.ms,
+            spec_drafts=engine.spec_drafts,
+            spec_draft_tokens=engine.spec_draft_tokens,
+            spec_accepted_tokens=engine.spec_accepted_tokens,
         )
 
     async def record_autoscaling_stats(self) -> dict[str, float]:

@@ -1,0 +1,32 @@
+"""tools.bench.spec on the tiny model: off and on run the same load in turn, and the
+speculative rows carry their acceptance figures from that engine's counters."""
+
+from __future__ import annotations
+
+from tests.support.engines import make_engine, prompt_ids, run_to_completion
+from tools.bench.spec import measure
+from workers.contract.sampling_params import SamplingParams
+from workers.core.limits import SpeculativeLimits
+
+
+def _accepted(model, prompt: list[int], limits: SpeculativeLimits) -> int:
+    engine = make_engine(model, num_blocks=600, speculative=limits)
+    engine.add_request(prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    run_to_completion(engine)
+    return engine.proposer.counts.accepted_tokens
+
+
+def test_levels_off_and_on_with_acceptance(paged_model, tiny_tokenizer):
+    limits = SpeculativeLimits(num_tokens=4, lookup_min=1, lookup_max=3, disable_by_batch_size=None)
+    engines = {False: make_engine(paged_model, num_blocks=600), True: make_engine(paged_model, num_blocks=600,
+                                                                                   speculative=limits)}
+    plain = prompt_ids(tiny_tokenizer)
+    prompt = (tiny_tokenizer.encode("the cat sat on the mat and then ") * 4 + plain[4 % len(plain)])[:96]
+    assert _accepted(paged_model, prompt, limits) > 0  # the random model's answer repeats a little of it
+    levels = measure(engines, {"edit": (prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))},
+                     [1, 2], rounds=1)
+    assert [(x.concurrency, x.speculative) for x in levels] == [(1, False), (1, True), (2, False), (2, True)]
+    assert all(x.output_tok_s > 0 for x in levels)
+    spec = [x for x in levels if x.speculative]
+    assert all(0 < x.accepted_per_draft_token <= 1 and x.tokens_per_verification > 1 for x in spec)
+    assert all(x.accepted_per_draft_token == 0 for x in levels if not x.speculative)

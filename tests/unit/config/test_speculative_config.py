@@ -1,0 +1,44 @@
+"""The `speculative` config: vLLM's names, the engine limits it sets, and what it refuses,
+named by its dotted path."""
+
+from __future__ import annotations
+
+import pytest
+
+from serve_app.config.app_config import ConfigError, parse_app_config
+from workers.contract.model_config import ModelConfig
+from workers.core.limits import SpeculativeLimits, engine_limits
+
+
+def test_ngram_sets_the_engine_limits():
+    model = ModelConfig(id="m", source="/models/m", speculative={"method": "ngram", "num_speculative_tokens": 5,
+                                                                  "prompt_lookup_max": 6})
+    limits = engine_limits(model, 2048)
+    assert limits.speculative == SpeculativeLimits(num_tokens=5, lookup_min=2, lookup_max=6, disable_by_batch_size=2)
+    assert engine_limits(ModelConfig(id="m", source="/models/m"), 2048).speculative is None
+    assert ModelConfig.model_validate(model.model_dump()) == model  # the ingress re-reads the dumped config
+
+
+def test_speculation_turns_async_scheduling_off():
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    gpu = {"id": "m", "source": "/models/m", "device": "cuda", "deployment": {"ray_actor_options": {"num_gpus": 1}}}
+    assert engine_limits(ModelConfig(**gpu), 2048).async_scheduling
+    assert not engine_limits(ModelConfig(**gpu, speculative=spec), 2048).async_scheduling
+
+
+def _app(model_fields: dict) -> dict:
+    return {"models": [{"id": "m", "source": "/models/m", **model_fields}]}
+
+
+@pytest.mark.parametrize(("speculative", "message"), [
+    ({"method": "draft", "num_speculative_tokens": 3}, r"models\.0\.speculative.*'draft' is not available"),
+    ({"method": "ngram"}, r"models\.0\.speculative\.num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, r"models\.0\.speculative\.num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 5, "prompt_lookup_max": 3},
+     r"models\.0\.speculative.*prompt_lookup_min \(5\) is above prompt_lookup_max \(3\)"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1},
+     r"models\.0\.speculative\.draft_tensor_parallel_size"),
+])
+def test_what_speculation_cannot_do_is_a_config_error(speculative, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_app_config(_app({"speculative": speculative}))

@@ -1,0 +1,161 @@
+"""Speculative decoding (ngram) in the engine, on the tiny random model in float32: the
+same tokens as without it, greedy and seeded, whatever the batch, and it proposes and
+accepts on repetitive text; its limits (max_tokens, the window, stops) hold."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.engines import (
+    greedy,
+    make_engine,
+    prompt_ids,
+    record_preemptions,
+    run_to_completion,
+    tokens_by_choice,
+)
+from workers.contract.sampling_params import SamplingParams
+from workers.core.limits import SpeculativeLimits
+from workers.core.sequence import FinishReason
+from workers.speculative.ngram_proposer import NgramProposer
+
+NGRAM = SpeculativeLimits(num_tokens=4, lookup_min=1, lookup_max=3, disable_by_batch_size=None)
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_tokenizer) -> list[list[int]]:
+    """16 prompts of mixed lengths, half of them repeating a phrase (proposals find matches)."""
+    plain = prompt_ids(tiny_tokenizer)
+    phrase = tiny_tokenizer.encode("the cat sat on the mat and then ")
+    repeated = [phrase * k + plain[k % len(plain)] for k in range(1, 5)]
+    out = (plain + repeated) * 4
+    return [p[:96] for p in out[:16]]
+
+
+def _outputs(model, prompts, params, speculative, **limits):
+    engine = make_engine(model, num_blocks=1200, speculative=speculative, **limits)
+    ids = [engine.add_request(p, params) for p in prompts]
+    events = run_to_completion(engine)
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    return [[e.token_id for e in events[i]] for i in ids], [[e.finish_reason for e in events[i]] for i in ids], engine
+
+
+@pytest.mark.parametrize("limits", [dict(block_size=4), dict(block_size=1, max_num_batched_tokens=8),
+                                    dict(block_size=16, max_num_seqs=3)], ids=["roomy", "tight", "3seqs"])
+def test_greedy_tokens_equal_without_speculation(paged_model, prompts, limits):
+    plain, reasons, _ = _outputs(paged_model, prompts, greedy(24), None, **limits)
+    spec, spec_reasons, engine = _outputs(paged_model, prompts, greedy(24), NGRAM, **limits)
+    assert spec == plain
+    assert spec_reasons == reasons
+    counts = engine.proposer.counts
+    assert counts.accepted_tokens > 0 and counts.draft_tokens > counts.accepted_tokens
+
+
+class ScriptedProposer(NgramProposer):
+    """Proposes each prompt's known greedy answer, every third token of it wrong: most
+    proposals are taken, many refused part way (the random model's ngram proposals are
+    rarely right, which would leave the taking path little tested)."""
+
+    def __init__(self, limits: SpeculativeLimits, answers: dict[tuple[int, ...], list[int]]) -> None:
+        super().__init__(limits)
+        self.answers = answers
+
+    def propose(self, seq, room: int) -> tuple[int, ...]:
+        answer = self.answers[tuple(seq.token_ids[: seq.num_prompt_tokens])]
+        done = seq.num_output_tokens
+        draft = answer[done : done + min(room, self.limits.num_tokens)]
+        return tuple(t + 1 if (done + j) % 3 == 2 else t for j, t in enumerate(draft))
+
+
+@pytest.mark.parametrize("limits", [dict(block_size=4), dict(block_size=1, max_num_batched_tokens=8),
+                                    dict(block_size=4, max_num_seqs=16, num_blocks=150)],
+                         ids=["roomy", "tight", "preempting"])
+def test_many_proposals_taken_and_refused(paged_model, prompts, limits):
+    num_blocks = limits.pop("num_blocks", 1200)
+    plain, reasons, _ = _outputs(paged_model, prompts, greedy(24), None, **limits)
+    engine = make_engine(paged_model, num_blocks=num_blocks, speculative=NGRAM, **limits)
+    engine.proposer = engine.scheduler.proposer = ScriptedProposer(NGRAM, {tuple(p): t + [0] for p, t in
+                                                                           zip(prompts, plain)})
+    preempted = record_preemptions(engine)
+    ids = [engine.add_request(p, greedy(24)) for p in prompts]
+    events = run_to_completion(engine)
+    assert bool(preempted) == (num_blocks < 1200)
+    assert [[e.token_id for e in events[i]] for i in ids] == plain
+    assert [[e.finish_reason for e in events[i]] for i in ids] == reasons
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    counts = engine.proposer.counts
+    assert counts.accepted_tokens > 100 and counts.draft_tokens - counts.accepted_tokens > 30
+
+
+def test_seeded_sampling_gives_the_same_tokens(paged_model, prompts):
+    params = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.95, seed=7)
+    plain, _, _ = _outputs(paged_model, prompts, params, None)
+    spec, _, engine = _outputs(paged_model, prompts, params, NGRAM)
+    assert spec == plain
+    assert engine.proposer.counts.drafts > 0
+
+
+def test_max_tokens_holds(paged_model, prompts):
+    """Proposals never run past max_tokens."""
+    for n in (1, 2, 5, 9):
+        plain, reasons, _ = _outputs(paged_model, prompts[:6], greedy(n), None)
+        spec, spec_reasons, _ = _outputs(paged_model, prompts[:6], greedy(n), NGRAM)
+        assert spec == plain and all(len(t) == n for t in spec)
+        assert spec_reasons == reasons
+
+
+def test_a_stop_token_inside_accepted_proposals_ends_there(paged_model, prompts):
+    plain, _, _ = _outputs(paged_model, prompts, greedy(24), None)
+    # A token each repetitive output produces late: with it as a stop token, the output ends
+    # at its first occurrence, whether that came as a proposal or not.
+    stop = plain[8][10]
+    params = greedy(24, stop_token_ids=[stop])
+    expected = [t[: t.index(stop) + 1] if stop in t else t for t in plain]
+    spec, reasons, _ = _outputs(paged_model, prompts, params, NGRAM)
+    assert spec == expected
+    assert all(r[-1] is FinishReason.STOP for t, r in zip(spec, reasons) if stop in t)
+
+
+def test_logprobs_of_accepted_tokens(paged_model, prompts):
+    params = greedy(16, logprobs=2)
+    engine_plain = make_engine(paged_model, num_blocks=1200)
+    engine_spec = make_engine(paged_model, num_blocks=1200, speculative=NGRAM)
+    for prompt in prompts[8:12]:
+        a = run_to_completion_one(engine_plain, prompt, params)
+        b = run_to_completion_one(engine_spec, prompt, params)
+        assert [e.token_id for e in a] == [e.token_id for e in b]
+        assert [e.logprob for e in a] == pytest.approx([e.logprob for e in b], abs=1e-4)
+        assert [[t for t, _ in e.top_logprobs] for e in a] == [[t for t, _ in e.top_logprobs] for e in b]
+    assert engine_spec.proposer.counts.accepted_tokens > 0
+
+
+def run_to_completion_one(engine, prompt, params):
+    request = engine.add_request(prompt, params)
+    return run_to_completion(engine)[request]
+
+
+def test_disable_by_batch_size(paged_model, prompts):
+    limits = SpeculativeLimits(num_tokens=4, lookup_min=1, lookup_max=3, disable_by_batch_size=2)
+    _, _, engine = _outputs(paged_model, prompts[8:12], greedy(24), limits)
+    alone, _, engine_alone = _outputs(paged_model, prompts[8:9], greedy(24), limits)
+    assert engine.proposer.counts.drafts < engine_alone.proposer.counts.drafts * 4
+    assert engine_alone.proposer.counts.drafts > 0
+
+
+def test_n_choices_and_prefix_cache_hits(paged_model, prompts):
+    """n=2 seeded choices each speculate after the fork; a second round finds the prompts'
+    blocks cached (and proposals' K/V never poison the cache): the same tokens throughout."""
+    params = SamplingParams(max_tokens=16, temperature=0.9, seed=11, n=2)
+    engines = {name: make_engine(paged_model, num_blocks=1200, speculative=spec)
+               for name, spec in (("plain", None), ("ngram", NGRAM))}
+    outputs = {}
+    for name, engine in engines.items():
+        rounds = []
+        for _ in range(2):
+            ids = [engine.add_request(p, params) for p in prompts[6:12]]
+            events = run_to_completion(engine)
+            rounds.append([tokens_by_choice(events[i]) for i in ids])
+        assert rounds[0] == rounds[1]
+        outputs[name] = rounds[0]
+    assert outputs["ngram"] == outputs["plain"]
+    assert engines["ngram"].blocks.hit_tokens > 0 and engines["ngram"].proposer.counts.drafts > 0

@@ -1,0 +1,131 @@
+"""Prompt-lookup (ngram) proposals: the tokens that followed the latest earlier occurrence
+of a sequence's last few tokens, found in its own prompt and output (no second model).
+
+Each sequence keeps a table from its n-grams to the position after their latest
+occurrence, grown by the tokens appended since the last lookup, so a lookup costs a few
+dict probes whatever the context's length (scanning a 2,000-token context every step
+would put a per-request loop over the context on the decode path)."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+from workers.core.limits import SpeculativeLimits
+from workers.core.sequence import Sequence
+
+MAX_PAUSE_STEPS = 32  # the longest a sequence goes without proposals after repeated rejections
+
+
+class NgramIndex:
+    """A token list's n-grams (lengths `shortest`..`longest`) -> the position after their
+    latest occurrence that has a token after it."""
+
+    def __init__(self, shortest: int, longest: int) -> None:
+        self.shortest, self.longest = shortest, longest
+        self._next: dict[tuple[int, ...], int] = {}
+        self._indexed = 0  # n-grams ending before this position are in the table
+
+    def lookup(self, tokens: list[int], count: int) -> list[int]:
+        """Up to `count` tokens that followed the longest suffix of `tokens` seen earlier."""
+        if len(tokens) < self._indexed:  # the list was cut back (a step undone): start again
+            self._next.clear()
+            self._indexed = 0
+        self._extend(tokens)
+        length = len(tokens)
+        for n in range(min(self.longest, length - 1), self.shortest - 1, -1):
+            after = self._next.get(tuple(tokens[length - n:]))
+            if after is not None:
+                return _copy_on(tokens, after, count)
+        return []
+
+    def _extend(self, tokens: list[int]) -> None:
+        # An n-gram ending at `end` - 1 is followed by tokens[end]; the sequence's last token
+        # has no follower yet, so its n-grams wait for the next lookup.
+        table, shortest, longest = self._next, self.shortest, self.longest
+        for end in range(max(self._indexed, shortest), len(tokens)):
+            for n in range(shortest, min(longest, end) + 1):
+                table[tuple(tokens[end - n : end])] = end
+        self._indexed = max(self._indexed, len(tokens))
+
+
+def _copy_on(tokens: list[int], start: int, count: int) -> list[int]:
+    """`count` tokens copied from `start` on, reading on into the copy itself once the
+    list ends (as LZ77 copies): text that repeats with a period shorter than `count`
+    (a loop, a table's rows) still gets whole proposals."""
+    length = len(tokens)
+    out = tokens[start : start + count]
+    while len(out) < count:
+        out.append(out[start + len(out) - length])
+    return out
+
+
+@dataclass
+class _Pace:
+    """One sequence's proposal length, and the steps it waits after rejections."""
+
+    index: NgramIndex
+    length: int
+    pause: int = 0  # steps left without proposals
+    backoff: int = 1  # the next pause's length
+
+    def record(self, proposed: int, accepted: int, most: int) -> None:
+        if accepted == proposed:
+            self.length, self.backoff = min(most, self.length * 2), 1
+        elif accepted == 0 and self.length == 1:
+            self.pause, self.backoff = self.backoff, min(MAX_PAUSE_STEPS, self.backoff * 2)
+        else:
+            self.length = max(1, self.length // 2)
+
+
+@dataclass
+class SpeculationCounts:
+    """Counters: verification chunks run, tokens proposed in them, and tokens accepted."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+
+@dataclass
+class NgramProposer:
+    limits: SpeculativeLimits
+    counts: SpeculationCounts = field(default_factory=SpeculationCounts)
+    _paces: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+
+    def batch_allows(self, running: int) -> bool:
+        """Whether a step with `running` sequences proposes at all."""
+        cap = self.limits.disable_by_batch_size
+        return cap is None or running < cap
+
+    def propose(self, seq: Sequence, room: int) -> tuple[int, ...]:
+        """At most `room` proposed tokens to follow `seq`'s last one (empty: decode plainly)."""
+        if room <= 0 or not _can_speculate(seq):
+            return ()
+        pace = self._paces.get(seq)
+        if pace is None:
+            pace = self._paces[seq] = _Pace(NgramIndex(self.limits.lookup_min, self.limits.lookup_max),
+                                            self.limits.num_tokens)
+        if pace.pause:
+            pace.pause -= 1
+            return ()
+        return tuple(pace.index.lookup(seq.token_ids, min(room, pace.length)))
+
+    def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        """A verification's outcome: `accepted` of the `proposed` tokens were the model's own."""
+        self.counts.drafts += 1
+        self.counts.draft_tokens += proposed
+        self.counts.accepted_tokens += accepted
+        pace = self._paces.get(seq)
+        if pace is not None:
+            pace.record(proposed, accepted, self.limits.num_tokens)
+
+
+def _can_speculate(seq: Sequence) -> bool:
+    """Whether a decoding sequence's next rows may be checked together: not while its
+    sampling depends on the output so far in ways one step's rows do not follow
+    (penalties, min_tokens' bans, a grammar), nor for beams, nor before its first token
+    (choices fork then)."""
+    params = seq.params
+    return (seq.num_output_tokens > 0 and seq.guide is None and not params.use_beam_search
+            and not params.has_penalties and seq.num_output_tokens >= params.min_tokens)
