@@ -208,15 +208,15 @@ class SpeculativeConfig(_Strict):
         "last few tokens in its own prompt and output (no second model: pays where answers repeat their input, "
         "as edits, code and extraction do). A draft model is not built")
     num_speculative_tokens: int = Field(
-        ge=1, le=16, description="proposed tokens a sequence feeds at most per step; each sequence's own number "
-        "adapts: it halves after a rejection and grows back after a step that takes all")
+        ge=1, le=16, description="proposed tokens a sequence feeds at most per step; each sequence proposes as many "
+        "as pay by its own recent rate of accepted proposals, and pauses while not even one does")
     prompt_lookup_min: int = Field(2, ge=1, le=32, description="ngram: the shortest suffix looked up")
     prompt_lookup_max: int = Field(4, ge=1, le=32, description="ngram: the longest suffix looked up (longest first)")
     disable_by_batch_size: int | None = Field(
-        2, ge=1, description="no proposals while this many sequences or more are running (default: proposals for "
-        "a sequence running alone): on a CPU the products are compute-bound from a few rows, so a wider step costs "
-        "nearly its width (make bench-spec, default model, 2-core AVX2: the chat load 7 % slower at 2 sequences, "
-        "6 % at 16, an edit load 25 % faster at 2, 10 % slower at 16); null: any batch")
+        3, ge=1, description="no proposals while this many sequences or more are running (default: proposals "
+        "while one or two run): on a CPU the products are compute-bound from a few rows, so a wider step costs "
+        "nearly its width (make bench-spec, default model, 2-core AVX2, proposing at any batch: an edit load "
+        "1.24x / 1.04x / 0.70x at 2 / 4 / 16 sequences, the chat load 1.08x / 0.93x / 0.84x); null: any batch")
 
     @model_validator(mode="after")
     def _known_method(self) -> "SpeculativeConfig":

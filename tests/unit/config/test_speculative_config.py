@@ -14,7 +14,7 @@ def test_ngram_sets_the_engine_limits():
     model = ModelConfig(id="m", source="/models/m", speculative={"method": "ngram", "num_speculative_tokens": 5,
                                                                   "prompt_lookup_max": 6})
     limits = engine_limits(model, 2048)
-    assert limits.speculative == SpeculativeLimits(num_tokens=5, lookup_min=2, lookup_max=6, disable_by_batch_size=2)
+    assert limits.speculative == SpeculativeLimits(num_tokens=5, lookup_min=2, lookup_max=6, disable_by_batch_size=3)
     assert engine_limits(ModelConfig(id="m", source="/models/m"), 2048).speculative is None
     assert ModelConfig.model_validate(model.model_dump()) == model  # the ingress re-reads the dumped config
 

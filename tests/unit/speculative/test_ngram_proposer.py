@@ -38,24 +38,27 @@ def _seq(output: list[int], **params) -> Sequence:
     return seq
 
 
-def test_pace_halves_grows_and_pauses():
+def test_pace_follows_the_rate_of_taken_proposals():
     proposer = NgramProposer(LIMITS)
     seq = _seq([3, 1, 2])
-    assert proposer.propose(seq, room=10) == (3, 1, 2, 3)  # num_tokens caps it
+    assert proposer.propose(seq, room=10) == (3, 1, 2, 3)  # a fresh sequence: num_tokens caps it
     assert proposer.propose(seq, room=2) == (3, 1)  # so does the room
-    proposer.record(seq, proposed=4, accepted=1)
-    assert len(proposer.propose(seq, 10)) == 2  # halved
-    proposer.record(seq, proposed=2, accepted=0)
+    proposer.record(seq, proposed=4, accepted=0)  # rate (0.7 * 2) / (0.7 * 2.5 + 1) = 0.51
+    assert len(proposer.propose(seq, 10)) == 2  # 0.51 ** 2 > ROW_COST > 0.51 ** 3
+    proposer.record(seq, proposed=2, accepted=0)  # 0.34
     assert len(proposer.propose(seq, 10)) == 1
-    proposer.record(seq, proposed=1, accepted=0)  # refused at length 1: pause 1 step
+    proposer.record(seq, proposed=1, accepted=0)  # 0.22
+    assert len(proposer.propose(seq, 10)) == 1
+    proposer.record(seq, proposed=1, accepted=0)  # 0.15: one would not pay; pause 1 step
     assert proposer.propose(seq, 10) == ()
-    assert len(proposer.propose(seq, 10)) == 1
-    proposer.record(seq, proposed=1, accepted=0)  # again: pause 2 steps
+    assert len(proposer.propose(seq, 10)) == 1  # then one, to see whether the rate came back
+    proposer.record(seq, proposed=1, accepted=0)  # still not: pause 2 steps
     assert proposer.propose(seq, 10) == () and proposer.propose(seq, 10) == ()
     assert len(proposer.propose(seq, 10)) == 1
-    proposer.record(seq, proposed=1, accepted=1)  # all taken: grows back
-    assert len(proposer.propose(seq, 10)) == 2
-    assert proposer.counts.drafts == 5 and proposer.counts.draft_tokens == 9 and proposer.counts.accepted_tokens == 2
+    for _ in range(3):
+        proposer.record(seq, proposed=4, accepted=4)  # taken in full: long proposals again
+    assert len(proposer.propose(seq, 10)) == 4
+    assert (proposer.counts.drafts, proposer.counts.draft_tokens, proposer.counts.accepted_tokens) == (8, 21, 12)
 
 
 def test_requests_it_leaves_alone():
