@@ -227,3 +227,23 @@ def test_a_step_computes_one_run_per_adapter(paged_model, tiny_tokenizer, adapte
     q = engine.lora.targets["model.layers.0.self_attn.q_proj"].layer
     down = engine.lora.targets["model.layers.0.mlp.down_proj"].layer
     assert not q.adapted[slot] and down.adapted[slot]
+
+
+def test_speculation_with_adapters_gives_the_same_tokens(paged_model, tiny_tokenizer, adapter_requests):
+    """Verification chunks of sequences on different adapters (and the base) in one step:
+    the same greedy tokens as without speculation, with proposals taken."""
+    from workers.core.limits import SpeculativeLimits
+
+    phrase = tiny_tokenizer.encode("the cat sat on the mat and then ")
+    prompts = [(phrase * k + p)[:96] for k, p in enumerate(prompt_ids(tiny_tokenizer), start=1)]
+    names = [None, "all-r4", "attn-r8", "mlp-r2", "all-r4"]
+    outputs = {}
+    for speculative in (None, SpeculativeLimits(4, 1, 3, None)):
+        engine = _lora_engine(paged_model, adapter_requests, speculative=speculative)
+        ids = [engine.add_request(p, greedy(20), lora=adapter_requests[n].key if n else None)
+               for n, p in zip(names, prompts)]
+        events = run_to_completion(engine)
+        outputs[speculative is not None] = [[e.token_id for e in events[i]] for i in ids]
+        if speculative is not None:
+            assert engine.proposer.counts.accepted_tokens > 0
+    assert outputs[True] == outputs[False]

@@ -159,3 +159,26 @@ def test_n_choices_and_prefix_cache_hits(paged_model, prompts):
         outputs[name] = rounds[0]
     assert outputs["ngram"] == outputs["plain"]
     assert engines["ngram"].blocks.hit_tokens > 0 and engines["ngram"].proposer.counts.drafts > 0
+
+
+@pytest.mark.parametrize("params", [greedy(20), SamplingParams(max_tokens=20, temperature=0.8, seed=5)],
+                         ids=["greedy", "seeded"])
+def test_a_resumed_request_speculates_to_the_same_tokens(paged_model, prompts, params):
+    """Resumed from its first k tokens on an engine that speculates, a request gives the
+    rest of its uninterrupted run; and where that engine caches the whole resumed prefix
+    (as a PD decode replica does after a hand-over), so that its first step feeds one
+    token, that step proposes nothing: its first new token's event carries the
+    first-token facts (queue time, cached tokens)."""
+    prompt = prompts[8]
+    reference, _, _ = _outputs(paged_model, [prompt], params, None)
+    engine = make_engine(paged_model, num_blocks=1200, speculative=NGRAM)
+    engine.add_request(prompt, params)
+    run_to_completion(engine)  # the whole run's blocks now cached
+    aligned = [k for k in range(1, 19) if (len(prompt) + k) % 4 == 0]  # block_size 4: all but the last token cached
+    for k in [1, *aligned]:
+        choices = engine.replay_output(prompt, params, {0: reference[0][:k]}, None)
+        request = engine.add_request(prompt, params, resume=choices)
+        events = run_to_completion(engine)[request]
+        assert [e.token_id for e in events] == reference[0][k:], k
+        assert events[0].queue_time is not None and events[0].cached_tokens is not None, k
+        assert all(e.queue_time is None for e in events[1:])
