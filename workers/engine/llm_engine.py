@@ -13,7 +13,7 @@ import torch
 from workers.contract.grammar import GuidedDecodingError
 from workers.contract.sampling_params import SamplingParams
 from workers.core.adapter_slots import AdapterSlots
-from workers.core.batch import ScheduledBatch
+from workers.core.batch import ScheduledBatch, ScheduledChunk
 from workers.core.events import TokenEvent, token_events
 from workers.core.images import ImageInputs
 from workers.core.limits import CapacityError, EngineLimits, PriorityError
@@ -58,7 +58,7 @@ from workers.sampling.guided import GuideState
 from workers.sampling.logprobs import sampled_logprobs, score_prompts
 from workers.sampling.sampler import Sampler, SamplingTensors
 from workers.speculative.ngram_proposer import NgramProposer, SpeculationCounts
-from workers.speculative.verification import DraftRows, VerifyRows, accepted_count
+from workers.speculative.verification import VerifyRows, accepted_count
 
 
 class LLMEngine:
@@ -309,8 +309,8 @@ class LLMEngine:
         seqs = [chunks[i].seq for i in sampling_rows]
         drafted = batch.drafted
         if drafted:  # their first rows follow the prompt-logprob rows
-            drafts = DraftRows.locate(drafted, len(chunks) + sum(r.count for r in prompt_rows))
-            return events + self._verify(seqs, logits, sampling_rows, drafts)
+            draft_base = len(chunks) + sum(r.count for r in prompt_rows)
+            return events + self._verify(seqs, logits, sampling_rows, drafted, draft_base)
         return events + self._sample(seqs, logits, sampling_rows)
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -329,28 +329,28 @@ class LLMEngine:
         seqs, rows = fork_choices(seqs, self.scheduler, self._requests, self._ids)
         if not seqs:
             return []
-        row_logits = choice_logits(logits, sampling_rows, rows)
-        tensors = SamplingTensors.from_sequences(seqs, self.vocab_size, self.device)
+        tokens, logprobs = self._draw(seqs, choice_logits(logits, sampling_rows, rows))
+        results = self.scheduler.append_tokens(seqs, tokens)
+        return token_events(results, logprobs, self._requests)
+
+    def _draw(self, seqs: list[Sequence], row_logits: torch.Tensor,
+              pending: int | list[int] = 0) -> tuple[list[int], dict]:
+        """A token from each row of `row_logits` (row i: `seqs[i]`'s, `pending` tokens past
+        its end), and the log-probabilities of the rows that ask."""
+        tensors = SamplingTensors.from_sequences(seqs, self.vocab_size, self.device, pending)
         if self.guided is not None:
             tensors.guided = self.guided.mask([s.guide for s in seqs], self.device)
         tokens = self.sampler(row_logits, tensors)
-        logprobs = sampled_logprobs(seqs, row_logits, tokens)
-        results = self.scheduler.append_tokens(seqs, tokens.tolist())
-        return token_events(results, logprobs, self._requests)
+        return tokens.tolist(), sampled_logprobs(seqs, row_logits, tokens)
 
     def _verify(self, seqs: list[Sequence], logits: torch.Tensor, sampling_rows: list[int],
-                drafts: DraftRows) -> list[TokenEvent]:
-        """_sample for a step with verification chunks: each drafted sequence samples all its
-        rows and keeps its proposals while they match (workers/speculative/verification.py)."""
+                drafted: list[ScheduledChunk], draft_base: int) -> list[TokenEvent]:
+        """_sample for a step with verification chunks (`drafted`, their first rows from
+        `draft_base` on): each drafted sequence samples all its rows and keeps its proposals
+        while they match (workers/speculative/verification.py)."""
         seqs, rows = fork_choices(seqs, self.scheduler, self._requests, self._ids)
-        plan = VerifyRows.of(seqs, [sampling_rows[r] for r in rows], drafts)
-        row_logits = logits[plan.logit_rows]
-        tensors = SamplingTensors.from_sequences(plan.seqs, self.vocab_size, self.device, plan.pending)
-        if self.guided is not None:
-            tensors.guided = self.guided.mask([s.guide for s in plan.seqs], self.device)
-        tokens = self.sampler(row_logits, tensors)
-        logprobs = sampled_logprobs(plan.seqs, row_logits, tokens)
-        samples = tokens.tolist()
+        plan = VerifyRows.of(seqs, [sampling_rows[r] for r in rows], drafted, draft_base)
+        samples, logprobs = self._draw(plan.seqs, logits[plan.logit_rows], plan.pending)
         results, result_rows = [], []
         for group in plan.groups:
             seq, first = group.seq, group.first

@@ -171,8 +171,9 @@ class Scheduler:
             if needed > self.blocks.num_free_blocks:
                 self._preempt(seq, batch)
                 continue
-            if proposing and n == 1 and self._take_draft(batch, seq, budget):
-                budget -= batch.prefills[-1].num_tokens
+            fed = self._take_draft(batch, seq, budget) if proposing and n == 1 else 0
+            if fed:
+                budget -= fed
                 continue
             if needed:
                 batch.block_copies.extend(self.blocks.allocate(seq, n))
@@ -183,20 +184,20 @@ class Scheduler:
         self.running = [s for s in self.running if id(s) not in preempted]
         return budget
 
-    def _take_draft(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> bool:
+    def _take_draft(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
         """Schedule decoding `seq` with proposed tokens after its last one, if the proposer
         has some that fit the step's budget, the sequence's limits and the free blocks
-        (a proposal never preempts anyone)."""
+        (a proposal never preempts anyone); the tokens it feeds (0: none scheduled)."""
         if seq.num_uncomputed_tokens != 1:
-            return False
+            return 0
         params = seq.params
         room = min(budget, params.max_tokens - seq.num_output_tokens, seq.max_model_len - seq.num_tokens) - 1
         draft = self.proposer.propose(seq, room)
         if not draft or self.blocks.blocks_needed(seq, 1 + len(draft)) > self.blocks.num_free_blocks:
-            return False
+            return 0
         batch.block_copies.extend(self.blocks.allocate(seq, 1 + len(draft)))
         batch.add(ScheduledChunk.verifying(seq, draft))
-        return True
+        return 1 + len(draft)
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         candidates = [s for s in self.waiting if self.only_request in (None, s.request_id)]

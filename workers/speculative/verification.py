@@ -21,23 +21,6 @@ from workers.core.sequence import Sequence
 
 
 @dataclass(frozen=True)
-class DraftRows:
-    """Where a step's drafted sequences' first k rows sit in its logits (the last, k + 1-th
-    row is the sequence's ordinary sampling row)."""
-
-    first_row: dict[int, tuple[int, tuple[int, ...]]]  # id(seq) -> (its first draft row, its draft)
-
-    @classmethod
-    def locate(cls, drafted: list[ScheduledChunk], base: int) -> "DraftRows":
-        """`drafted` in the model runner's order, their rows packed from `base` on."""
-        rows: dict[int, tuple[int, tuple[int, ...]]] = {}
-        for chunk in drafted:
-            rows[id(chunk.seq)] = (base, chunk.draft)
-            base += len(chunk.draft)
-        return cls(rows)
-
-
-@dataclass(frozen=True)
 class Group:
     """One sequence's run of rows in the sampled batch."""
 
@@ -57,14 +40,21 @@ class VerifyRows:
     groups: list[Group]
 
     @classmethod
-    def of(cls, seqs: list[Sequence], sampling_rows: list[int], drafts: DraftRows) -> "VerifyRows":
-        """`sampling_rows[i]`: the logits row `seqs[i]` samples from without speculation."""
+    def of(cls, seqs: list[Sequence], sampling_rows: list[int], drafted: list[ScheduledChunk],
+           draft_base: int) -> "VerifyRows":
+        """`sampling_rows[i]`: the logits row `seqs[i]` samples from without speculation (a
+        drafted sequence's last row); `drafted`: the verification chunks in the model
+        runner's order, whose first k rows it packed from `draft_base` on."""
+        first_row: dict[int, tuple[int, tuple[int, ...]]] = {}  # id(seq) -> (first draft row, draft)
+        for chunk in drafted:
+            first_row[id(chunk.seq)] = (draft_base, chunk.draft)
+            draft_base += len(chunk.draft)
         row_seqs: list[Sequence] = []
         logit_rows: list[int] = []
         pending: list[int] = []
         groups: list[Group] = []
         for seq, row in zip(seqs, sampling_rows):
-            first, draft = drafts.first_row.get(id(seq), (0, ()))
+            first, draft = first_row.get(id(seq), (0, ()))
             groups.append(Group(seq, len(row_seqs), draft))
             run = [*range(first, first + len(draft)), row]
             row_seqs.extend([seq] * len(run))
