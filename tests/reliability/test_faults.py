@@ -287,10 +287,10 @@ class PoisonedWorker(ModelWorker.func_or_class):
         super().__init__(model_config)
         build = SamplingTensors.from_sequences.__func__
 
-        def poisoned(cls, seqs, vocab_size, device):
+        def poisoned(cls, seqs, *args, **kwargs):
             if any(s.params.seed == POISON_SEED and s.num_output_tokens >= 2 for s in seqs):
                 raise RuntimeError("injected sampling failure")
-            return build(cls, seqs, vocab_size, device)
+            return build(cls, seqs, *args, **kwargs)
 
         SamplingTensors.from_sequences = classmethod(poisoned)
 
