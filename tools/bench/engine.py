@@ -5,6 +5,7 @@
     python -m tools.bench.engine packing   # raw decode step: plain vs oneDNN-packed weights, alternating
     python -m tools.bench.engine fusion    # raw decode step: separate vs fused q/k/v and gate/up
     python -m tools.bench.engine direct    # engine decode step: transformers' forward vs the direct forward
+    python -m tools.bench.engine attention --context 128 1024  # decode step: SDPA over a gather vs the C kernel
     python -m tools.bench.engine offline --concurrency 1 16 32 64 --max-tokens 64
     python -m tools.bench.engine worker --concurrency 1 32  # the worker's request path, no Ray
     python -m tools.bench.engine prefix --prefix-tokens 1000  # TTFT: first vs second request sharing a prefix
@@ -117,10 +118,13 @@ def raw_decode_ms(model, prompt_ids: list[int], batch: int, steps: int) -> float
 
 
 def engine_decode_ms(model, prompt_ids: list[int], batch: int, steps: int, tokenizer=None,
-                     **limits) -> tuple[float, float]:
+                     cpu_decode: bool | None = None, **limits) -> tuple[float, float]:
     """(ms per decode step, ms of it spent on the grammar mask); guided when `tokenizer` is
-    given; `limits`: EngineLimits fields."""
+    given; `cpu_decode`: decode attention by the C kernel or not (None: the engine's
+    choice); `limits`: EngineLimits fields."""
     engine = new_engine(model, tokenizer, **limits)
+    if cpu_decode is not None:
+        engine.runner.cpu_decode = cpu_decode
     guided = GuidedDecoding("json_schema", json.dumps(BENCH_SCHEMA)) if tokenizer is not None else None
     for _ in range(batch):
         engine.add_request(prompt_ids, SamplingParams(max_tokens=steps + 8, temperature=0.8, ignore_eos=True,
@@ -224,6 +228,22 @@ def run_direct(args, loaded) -> None:
                 runs[name].append(engine_decode_ms(loaded.model, prompt_ids, batch, args.steps,
                                                    direct_forward=direct)[0])
         print(alternation_line(batch, runs), flush=True)
+
+
+def run_attention(args, loaded) -> None:
+    """The engine's decode step with decode attention by SDPA over a gather against the C
+    kernel (workers/model/cpu_attention.c), alternating in one process, at each context."""
+    base = loaded.tokenizer(PROMPT)["input_ids"]
+    for context in args.context:
+        prompt_ids = (base * (context // len(base) + 1))[:context]
+        print(f"context {context} tokens", flush=True)
+        for batch in args.batch:
+            runs: dict[str, list[float]] = {"sdpa": [], "cpu_kernel": []}
+            for _ in range(args.repeat):
+                for name in runs:
+                    runs[name].append(engine_decode_ms(loaded.model, prompt_ids, batch, args.steps,
+                                                       cpu_decode=name == "cpu_kernel")[0])
+            print(alternation_line(batch, runs), flush=True)
 
 
 @torch.inference_mode()
@@ -545,6 +565,12 @@ def main(argv: list[str] | None = None) -> None:
     direct.add_argument("--batch", type=int, nargs="+", default=[1, 16, 32, 64])
     direct.add_argument("--steps", type=int, default=10)
     direct.add_argument("--repeat", type=int, default=5)
+    attention = sub.add_parser("attention", help="engine decode step, decode attention by SDPA over a gather vs "
+                               "the C kernel, alternating")
+    attention.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
+    attention.add_argument("--context", type=int, nargs="+", default=[128, 1024], help="prompt tokens")
+    attention.add_argument("--steps", type=int, default=10)
+    attention.add_argument("--repeat", type=int, default=5)
     serving_load = argparse.ArgumentParser(add_help=False)  # tools.bench.load's load, for offline and worker
     serving_load.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 32, 64])
     serving_load.add_argument("--num-requests", type=int, default=None, help="per level; default 2 x concurrency, >= 8")
@@ -586,7 +612,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.command != "decode":
         loaded.model.set_attn_implementation(register_paged_attention())
     commands = {"decode": run_decode, "packing": run_packing, "fusion": run_fusion, "offline": run_offline,
-                "prefix": run_prefix, "fairness": run_fairness, "lora": run_lora, "direct": run_direct}
+                "prefix": run_prefix, "fairness": run_fairness, "lora": run_lora, "direct": run_direct,
+                "attention": run_attention}
     commands[args.command](args, loaded)
 
 

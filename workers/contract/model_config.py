@@ -331,7 +331,8 @@ class ModelConfig(_Strict):
     device: Literal["cpu", "cuda"] = Field(
         "cpu", description="where the model runs; cuda needs deployment.ray_actor_options.num_gpus > 0")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="auto: bfloat16 on CPUs with AMX, else float32; the checkpoint's own on CUDA")
+        "auto", description="auto on CPU: float32 for weights kept quantized, else bfloat16 on CPUs with AMX "
+        "and float32 elsewhere; the checkpoint's own on CUDA")
     pack_cpu_weights: bool = Field(
         True, description="CPU: pack linear weights for oneDNN once at load; bfloat16 always (same numbers, "
         "faster), float32 where a load-time probe finds it faster on this CPU")

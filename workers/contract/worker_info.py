@@ -16,7 +16,7 @@ class ModelInfo:
     dtype: str = ""  # what the weights run in (`auto` resolved), e.g. "bfloat16"
     packed_linear_layers: int = 0  # CPU: layers with oneDNN-packed weights (bfloat16, or float32 where faster)
     fused_projections: int = 0  # groups of sibling projections (q/k/v, gate/up) run as one multiply each
-    decode_attention: str = "sdpa"  # "triton": the paged kernel (CUDA); "sdpa": over a gather
+    decode_attention: str = "sdpa"  # "triton" / "cpu": the paged kernel (CUDA / C on CPU); "sdpa": over a gather
     cuda_graph_max_batch: int = 0  # decode steps up to this batch replay CUDA graphs (0: none)
 
 

@@ -18,7 +18,7 @@ class EngineDescription:
     block_size: int
     num_blocks: int  # KV pool blocks
     dtype: str  # what the weights run in, e.g. "bfloat16"
-    decode_attention: str  # "triton": the paged kernel (CUDA); "sdpa": over a gather
+    decode_attention: str  # "triton" / "cpu": the paged kernel (CUDA / C on CPU); "sdpa": over a gather
     cuda_graph_max_batch: int  # decode steps up to this batch replay CUDA graphs (0: none)
 
 

@@ -268,7 +268,7 @@ class LLMEngine:
             block_size=self.blocks.block_size,
             num_blocks=self.blocks.num_blocks,
             dtype=str(self.runner.model.dtype).removeprefix("torch."),
-            decode_attention="triton" if self.runner.triton_decode else "sdpa",
+            decode_attention=self.runner.decode_attention,
             cuda_graph_max_batch=graphs.max_batch if graphs else 0,
         )
 

@@ -1,5 +1,5 @@
 """The engine's device half, built from its limits: the KV pool, the model runner with its
-decode path (the Triton kernel and CUDA graphs on CUDA), and the grammar decoder."""
+decode path (the Triton kernel and CUDA graphs on CUDA, the C kernel on CPU), and the grammar decoder."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from workers.core.adapter_slots import AdapterSlots, NoAdapters
 from workers.core.limits import EngineLimits
 from workers.lora.manager import LoraManager
+from workers.model.cpu_attention import cpu_decode_attention
 from workers.model.cuda_graphs import DecodeGraphs
 from workers.model.direct_forward import direct_forward_for
 from workers.model.kv_cache import KVCacheShape, PagedKVCache
@@ -30,6 +31,7 @@ class DecodePath:
     triton: bool  # decode rows run the paged Triton kernel
     graphs: bool  # decode steps replay CUDA graphs (they need the Triton kernel)
     direct: bool = False  # Llama-shaped models run chatserve's own forward (direct_forward.py)
+    cpu_kernel: bool = False  # decode rows run the paged C kernel (cpu_attention.c)
 
 
 def kv_pool(model: torch.nn.Module, limits: EngineLimits, world: int = 1,
@@ -57,7 +59,8 @@ def decode_path(device: torch.device, limits: EngineLimits, split: bool = False)
     # CPU only: what it saves is Python and dispatch time, which CUDA graphs already
     # take out of a GPU's decode steps (and it has not been measured on a GPU).
     direct = (device.type == "cpu" or split) and limits.direct_forward
-    return DecodePath(triton_decode, use_graphs, direct)
+    cpu_kernel = device.type == "cpu" and cpu_decode_attention() is not None
+    return DecodePath(triton_decode, use_graphs, direct, cpu_kernel)
 
 
 def adapter_slots(model: torch.nn.Module, limits: EngineLimits, shard_group: ShardGroup | None = None,
@@ -78,7 +81,7 @@ def model_runner(model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.d
     LoRA rows when `lora` has slots). `shard_group`: `model` is this driver's part of a
     split model (workers/parallel/), which the direct forward runs over the group: its
     tensor shard, or its first pipeline `stage` (itself split by tensors or not)."""
-    runner = ModelRunner(model, kv_cache, device, triton_decode=path.triton, lora=lora)
+    runner = ModelRunner(model, kv_cache, device, triton_decode=path.triton, lora=lora, cpu_decode=path.cpu_kernel)
     if shard_group is not None:
         if not path.direct:
             raise ValueError("a model split over shards runs the direct forward only "

@@ -5,10 +5,10 @@ explicit position ids, and passes an `AttentionMetadata` through the model's for
 kwargs. Each attention layer then calls `paged_attention`, which
 1. writes the new tokens' K/V into their cache slots, and
 2. attends each query token to its own sequence's cached context only.
-Decode tokens (one query each) are attended in one batch: on CUDA with Triton by a
-paged kernel that reads each context straight from the cache (triton_attention.py; it
-also runs inside the decode CUDA graphs), elsewhere by one SDPA call over a padded gather
-of their context. Prefill chunks are attended one sequence at a time.
+Decode tokens (one query each) are attended in one batch by a paged kernel that reads
+each context straight from the cache: on CUDA with Triton (triton_attention.py; it also
+runs inside the decode CUDA graphs), on CPU in C (cpu_attention.c); where neither is
+available, by one SDPA call over a padded gather of their context. Prefill chunks are attended one sequence at a time.
 Because the hook is transformers' own `AttentionInterface`, every causal LM that
 transformers defines runs on this cache without a model rewrite. The hook's work is
 `attend_packed`, in the packed `[T, heads, head_dim]` layout, which the direct forward of
@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from workers.model.cpu_attention import cpu_decode_attention
 from workers.model.kv_cache import PagedKVCache
 from workers.model.triton_attention import paged_decode_attention
 
@@ -46,10 +47,12 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T]: cache slot of each packed token
     num_decode_tokens: int  # the first `num_decode_tokens` packed tokens are decodes
     decode_blocks: torch.Tensor | None  # [D, W]: each decode sequence's block table, padded to W blocks
-    decode_mask: torch.Tensor | None  # [D, 1, 1, W * block_size] bool: its context, not the padding (SDPA path)
+    decode_mask: torch.Tensor | None  # [D, 1, 1, W * block_size] bool: its context, not the padding (SDPA path;
+    # None: made from decode_context_lens when needed)
     prefills: list[PrefillSpan]
     decode_context_lens: torch.Tensor | None = None  # [D] int32: each decode row's context, itself included
-    triton_decode: bool = False  # decode rows by the Triton kernel (CUDA), else SDPA over a gather
+    triton_decode: bool = False  # decode rows by the Triton kernel (CUDA)
+    cpu_decode: bool = False  # decode rows by the C kernel (CPU); neither: SDPA over a gather
 
 
 @dataclass(frozen=True)
@@ -121,10 +124,17 @@ def _attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         paged_decode_attention(q, k_cache, v_cache, meta.decode_blocks, meta.decode_context_lens,
                                block_size, layer.scale, out=out, sliding_window=layer.window, softcap=layer.softcap)
         return
+    kernel = cpu_decode_attention() if meta.cpu_decode else None
+    if kernel is not None and kernel(q, k_cache, v_cache, meta.decode_blocks, meta.decode_context_lens, block_size,
+                                     layer.scale, layer.window, layer.softcap, out):
+        return
     qd = q.unsqueeze(2)  # [D, H, 1, Dh]
     kd = _gather_blocks(k_cache, meta.decode_blocks, block_size)  # [D, KVH, W*bs, Dh]
     vd = _gather_blocks(v_cache, meta.decode_blocks, block_size)
     mask = meta.decode_mask
+    if mask is None:
+        positions = torch.arange(kd.shape[2], device=q.device)
+        mask = (positions < meta.decode_context_lens.unsqueeze(1)).view(q.shape[0], 1, 1, -1)
     if layer.window is not None:
         positions = torch.arange(mask.shape[-1], device=mask.device)
         first = (meta.decode_context_lens - layer.window).view(-1, 1, 1, 1)

@@ -181,8 +181,8 @@ def load_model(
     linear on this CPU."""
     path = prepare_model_dir(source, cache_dir)
     config = AutoConfig.from_pretrained(path)
-    kwargs = {"dtype": resolve_dtype(dtype, device)}
     packed = PackedSource.of(source) if quantization == "auto" and device in ("cpu", "cuda") else None
+    kwargs = {"dtype": resolve_dtype(dtype, device, quantized=packed is not None)}
     target, device = device, "cpu" if packed else device  # a packed model goes to its device after the swap
     if getattr(config, "vision_config", None) is not None:
         loaded = _load_vision_language(path, device, kwargs, config, attn_implementation)
@@ -207,14 +207,17 @@ def load_model(
     return loaded
 
 
-def resolve_dtype(dtype: str, device: str) -> torch.dtype | str:
-    """The dtype a model loads in. `auto` on CPU: bfloat16 where the CPU multiplies it
-    natively (AMX; with packed weights 1.2x faster than float32 at batch 1 and 2x at
-    batch 32 on the default model), float32 elsewhere; on CUDA: the checkpoint's own."""
+def resolve_dtype(dtype: str, device: str, quantized: bool = False) -> torch.dtype | str:
+    """The dtype a model loads in. `auto` on CPU: float32 for a model whose linears stay in
+    quantized blocks (`quantized`: the C kernels take float32 activations, so bfloat16
+    would only add two conversions a layer and batch-dependent rounding; as fast on an AMX
+    Xeon at 1-64 streams, docs/BENCHMARKS.md), else bfloat16 where the CPU multiplies it
+    natively (AMX; with packed weights 1.2x faster than float32 at batch 1 and 2x at batch
+    32 on the default model's float weights), float32 elsewhere; on CUDA: the checkpoint's own."""
     if dtype != "auto":
         return _DTYPES[dtype]
     if device == "cpu":
-        return torch.bfloat16 if has_native_bf16_matmul() else torch.float32
+        return torch.bfloat16 if has_native_bf16_matmul() and not quantized else torch.float32
     return "auto"
 
 

@@ -41,17 +41,24 @@ if TYPE_CHECKING:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device,
-                 triton_decode: bool = False, lora: AdapterSlots = NoAdapters()) -> None:
-        """`triton_decode`: decode rows use the paged Triton kernel (CUDA) instead of a
-        masked SDPA over a padded gather. `lora`: the model's LoRA layers and slots."""
+                 triton_decode: bool = False, lora: AdapterSlots = NoAdapters(), cpu_decode: bool = False) -> None:
+        """`triton_decode` / `cpu_decode`: decode rows use the paged Triton kernel (CUDA) / the
+        C kernel (CPU) instead of a masked SDPA over a padded gather. `lora`: the model's LoRA
+        layers and slots."""
         self.model = model
         self.lora = lora
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = device
         self.triton_decode = triton_decode
+        self.cpu_decode = cpu_decode
         self.decode_graphs: DecodeGraphs | None = None  # set by the engine on CUDA
         self.direct: DirectForward | None = None  # set by the engine for Llama-shaped models without LoRA
+
+    @property
+    def decode_attention(self) -> str:
+        """Which decode attention runs: "triton", "cpu" (the C kernel) or "sdpa" (over a gather)."""
+        return "triton" if self.triton_decode else "cpu" if self.cpu_decode else "sdpa"
 
     @torch.inference_mode()
     def forward(
@@ -183,8 +190,8 @@ class ModelRunner:
         lens = torch.tensor(ctx_lens, dtype=torch.int32)
         meta.decode_blocks = tables.to(self.device)
         meta.decode_context_lens = lens.to(self.device)
-        if self.triton_decode:
-            meta.triton_decode = True
+        if self.triton_decode or self.cpu_decode:
+            meta.triton_decode, meta.cpu_decode = self.triton_decode, self.cpu_decode
             return
         width = tables.shape[1] * self.block_size
         mask = torch.arange(width).unsqueeze(0) < lens.unsqueeze(1)

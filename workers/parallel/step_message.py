@@ -31,6 +31,7 @@ class StepMessage:
     block_copies: list[tuple[int, int]]
     lora_step: LoraSegments | None = None  # the step's rows by adapter slot
     lora_loads: list[tuple[int, LoraAdapter]] = field(default_factory=list)  # whole adapters written into slots
+    cpu_decode: bool = False  # decode rows by the C kernel (then decode_mask is None)
 
     @classmethod
     def of(cls, input_ids: torch.Tensor, position_ids: torch.Tensor, meta: AttentionMetadata,
@@ -39,7 +40,7 @@ class StepMessage:
         return cls(input_ids, position_ids, logits_to_keep, meta.slot_mapping, meta.num_decode_tokens,
                    meta.decode_blocks, meta.decode_mask, meta.decode_context_lens,
                    [(s.start, s.end, s.context_slots, s.mask) for s in meta.prefills], list(block_copies),
-                   lora_step, lora_loads or [])
+                   lora_step, lora_loads or [], meta.cpu_decode)
 
     def metadata(self, kv_cache: PagedKVCache) -> AttentionMetadata:
         return AttentionMetadata(
@@ -50,4 +51,5 @@ class StepMessage:
             decode_mask=self.decode_mask,
             prefills=[PrefillSpan(*span) for span in self.prefills],
             decode_context_lens=self.decode_context_lens,
+            cpu_decode=self.cpu_decode,
         )

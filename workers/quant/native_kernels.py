@@ -1,34 +1,20 @@
-"""The C kernels of cpu_kernels.c, built once per machine with the host's C compiler and
-called through ctypes (which releases the GIL for the call).
-
-A build takes about a second, so it is done at the first use rather than at install time:
-`-march=native` makes it the best code for the CPU it runs on, and the cache key holds
-the source, the compiler and the CPU's flags, so a cache directory shared by machines of
-different kinds keeps one build for each. Without a C compiler `kernels()` is None and
-the models load as floats (workers/model/gguf_packing.py says so in the log).
+"""The C kernels of cpu_kernels.c, built once per machine with the host's C compiler
+(workers/native/build.py) and called through ctypes. Without a C compiler `kernels()` is
+None and the models load as floats (workers/model/gguf_packing.py says so in the log).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
-import torch  # loaded first: the kernels then share torch's OpenMP runtime (one thread pool)
+import torch
 
-from workers.contract.model_config import default_cache_dir
-
-logger = logging.getLogger(__name__)
+from workers.native.build import load_library
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 
 class QuantKernels:
@@ -118,15 +104,8 @@ def _work_buffer(size: int) -> torch.Tensor:
 def kernels() -> QuantKernels | None:
     """The kernels for this machine, built at the first call; None without a C compiler
     or when the build fails (logged)."""
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        logger.warning("no C compiler (gcc/cc) on PATH: quantized weights load as floats")
-        return None
-    try:
-        return QuantKernels(ctypes.CDLL(str(_built_library(compiler))))
-    except (OSError, subprocess.SubprocessError) as exc:
-        logger.warning("building the quantized kernels failed (%s): quantized weights load as floats", exc)
-        return None
+    library = load_library(SOURCE, "quantized weights load as floats")
+    return None if library is None else QuantKernels(library)
 
 
 def _loaded_kernels() -> QuantKernels:
@@ -134,35 +113,3 @@ def _loaded_kernels() -> QuantKernels:
     if loaded is None:
         raise RuntimeError("a model with quantized layers needs the C kernels, which could not be built here")
     return loaded
-
-
-def _built_library(compiler: str) -> Path:
-    target = default_cache_dir() / "kernels" / f"cpu_kernels-{_build_key(compiler)}.so"
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built = Path(scratch) / target.name
-        subprocess.run([compiler, *COMPILE_FLAGS, "-o", str(built), str(SOURCE)], check=True,
-                       capture_output=True, text=True, timeout=120)
-        os.replace(built, target)  # atomic: replicas building at once each land a whole file
-    logger.info("built the quantized CPU kernels: %s", target)
-    return target
-
-
-def _build_key(compiler: str) -> str:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    for part in (version, " ".join(COMPILE_FLAGS), _cpu_flags()):
-        digest.update(part.encode())
-    return digest.hexdigest()[:16]
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return ""

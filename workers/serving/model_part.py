@@ -52,15 +52,15 @@ def load_part(config: ModelConfig, rank: int) -> tuple[LoadedModel, StageLayers 
         if reason is not None:
             raise ValueError(f"model {config.id!r}: parallel.pipeline_parallel_size: {reason}")
         stage = StageLayers.of(layout.stage_of(rank), layout.stages, hf_config.num_hidden_layers)
+    packed = PackedSource.of(config.source) if config.quantization == "auto" and config.device == "cpu" else None
+    dtype = _split_dtype(config, hf_config, quantized=packed is not None)
     try:
-        model = load_split_model(path, layout.position(rank), _split_dtype(config, hf_config), config.device, attn,
-                                 stage)
+        model = load_split_model(path, layout.position(rank), dtype, config.device, attn, stage)
     except TensorSplitError as exc:
         raise ValueError(f"model {config.id!r}: parallel.{config.parallel.split_field}: {exc}") from None
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path)
     fuse_sibling_projections(model)  # the direct forward runs fused siblings
-    packed = PackedSource.of(config.source) if config.quantization == "auto" and config.device == "cpu" else None
     if packed is not None:  # the source's packed weights, this shard's part
         keep_weights_packed(model, packed, config.quantized_activations, weight_cuts(hf_config, layout.position(rank)))
     if config.pack_cpu_weights:
@@ -72,8 +72,8 @@ def shard_layout(config: ModelConfig) -> ShardLayout:
     return ShardLayout(config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size)
 
 
-def _split_dtype(config: ModelConfig, hf_config) -> torch.dtype:
-    dtype = resolve_dtype(config.dtype, config.device)
+def _split_dtype(config: ModelConfig, hf_config, quantized: bool) -> torch.dtype:
+    dtype = resolve_dtype(config.dtype, config.device, quantized)
     if isinstance(dtype, torch.dtype):
         return dtype
     declared = hf_config.dtype  # `auto` on cuda: the checkpoint's own

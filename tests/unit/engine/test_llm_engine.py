@@ -234,7 +234,7 @@ def test_stats_and_describe_say_what_the_engine_holds(paged_model, prompts):
     described = engine.describe()
     assert (described.max_model_len, described.block_size, described.num_blocks) == (96, 4, 64)
     assert described.vocab_size == paged_model.get_output_embeddings().weight.shape[0]
-    assert (described.dtype, described.decode_attention, described.cuda_graph_max_batch) == ("float32", "sdpa", 0)
+    assert (described.dtype, described.decode_attention, described.cuda_graph_max_batch) == ("float32", "cpu", 0)
     for p in prompts[:3]:
         engine.add_request(p, greedy(4))
     queued = engine.stats()

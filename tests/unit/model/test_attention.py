@@ -48,8 +48,10 @@ class _Layer(torch.nn.Module):
 
 
 # (window, softcap): plain; Mistral-style sliding window; Gemma-2-style soft cap; both.
+# Decode rows by SDPA over a gather, and by the C kernel (cpu_attention.c).
+@pytest.mark.parametrize("cpu_decode", [False, True], ids=["sdpa", "cpu_kernel"])
 @pytest.mark.parametrize("window,softcap", [(None, None), (3, None), (None, 2.0), (5, 1.5)])
-def test_paged_attention_mixed_batch_matches_dense(window, softcap):
+def test_paged_attention_mixed_batch_matches_dense(window, softcap, cpu_decode):
     torch.manual_seed(0)
     rng = random.Random(0)
     heads, kv_heads, head_dim, block_size, num_blocks = 4, 2, 8, 4, 24
@@ -81,13 +83,14 @@ def test_paged_attention_mixed_batch_matches_dense(window, softcap):
         seqs[name], dense[name] = seq, (k_full, v_full, q_new)
     seqs["dec_a"].block_table.append(free_blocks.pop())  # a block reserved past its context (garbage)
 
-    runner = ModelRunner(model=None, kv_cache=cache, device=CPU)
+    runner = ModelRunner(model=None, kv_cache=cache, device=CPU, cpu_decode=cpu_decode)
     decode_names = ["dec_a", "dec_b", "dec_c"]
     prefill_names = ["pre_new", "pre_ctx"]
     decodes = [ScheduledChunk.of(seqs[n], 1) for n in decode_names]
     prefills = [ScheduledChunk.of(seqs[n], specs[n][1]) for n in prefill_names]
     meta = runner.prepare(decodes, prefills).attn_metadata
     assert meta.num_decode_tokens == 3
+    assert meta.cpu_decode == cpu_decode and (meta.decode_mask is None) == cpu_decode
 
     order = decode_names + prefill_names
     q = torch.cat([dense[n][2] for n in order], dim=1).unsqueeze(0)  # [1, H, T, Dh]

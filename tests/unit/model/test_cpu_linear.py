@@ -148,6 +148,9 @@ def test_engine_output_is_the_same_packed_or_not(tiny_model, paged_attn_name, dt
 def test_auto_dtype_on_cpu_follows_the_matrix_unit(monkeypatch, native, expected):
     monkeypatch.setattr(model_loader, "has_native_bf16_matmul", lambda: native)
     assert model_loader.resolve_dtype("auto", "cpu") == expected
+    # Weights kept in quantized blocks: the kernels take float32 whatever the CPU.
+    assert model_loader.resolve_dtype("auto", "cpu", quantized=True) == torch.float32
+    assert model_loader.resolve_dtype("bfloat16", "cpu", quantized=True) == torch.bfloat16
     assert model_loader.resolve_dtype("float32", "cpu") == torch.float32
     assert model_loader.resolve_dtype("bfloat16", "cpu") == torch.bfloat16
     assert model_loader.resolve_dtype("auto", "cuda") == "auto"
@@ -184,4 +187,4 @@ def test_worker_reports_its_dtype_and_packing(tiny_model_dir, monkeypatch, dtype
     packs = pack and (dtype == "bfloat16" or float32_pays)
     assert info.packed_linear_layers == (linears if packs else 0)
     assert info.fused_projections == 2 * 2
-    assert info.decode_attention == "sdpa" and info.cuda_graph_max_batch == 0  # a CPU worker
+    assert info.decode_attention == "cpu" and info.cuda_graph_max_batch == 0  # a CPU worker (the C kernel)

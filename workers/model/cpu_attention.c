@@ -1,0 +1,281 @@
+/* Paged decode attention on the CPU: one query token per sequence attends to its context
+   read in place from the block-paged K/V cache (no gather, no padding mask).
+
+Layout (workers/model/kv_cache.py): a layer's keys and values are [slots, kv_heads,
+head_dim], slot = block * block_size + offset; `tables` [D, width] holds each sequence's
+blocks and `lens` [D] its context length, the new token included. q [D, heads, head_dim]
+(rows `q_stride` elements apart), out [D, heads, head_dim] contiguous.
+
+One task a (sequence, KV head): the key and value rows are read once for the query heads
+that share them (grouped-query attention), and the softmax runs online, block by block in
+position order, in float32 whatever the cache's dtype. A sequence's result depends only
+on its own query and context, never on the batch around it or on the thread count.
+
+Built by workers/native/build.py with the host's gcc (-O3 -march=native -fopenmp); torch's
+OpenMP runtime runs the tasks. */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+enum { DT_FLOAT32 = 0, DT_BFLOAT16 = 1, DT_FLOAT16 = 2 };
+#define MAX_BLOCK 256  /* block sizes up to this many tokens */
+#define SERIAL_WORK (1 << 18)  /* ~0.1 ms of products on one core */
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {  /* round to nearest even, as torch does */
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);  /* NaN stays NaN */
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+#ifdef __F16C__
+static inline float f16_to_float(uint16_t h) { return _cvtsh_ss(h); }
+static inline uint16_t float_to_f16(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
+#endif
+
+/* Elements [index, index + n) of a tensor of `dtype` as floats. */
+static inline void widen_row(int dtype, const void *base, int64_t index, int64_t n, float *dst) {
+    if (dtype == DT_FLOAT32) {
+        memcpy(dst, (const float *)base + index, (size_t)n * sizeof(float));
+        return;
+    }
+    const uint16_t *src = (const uint16_t *)base + index;
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+    for (; i + 8 <= n; i += 8) {
+        __m128i h = _mm_loadu_si128((const __m128i *)(src + i));
+        _mm256_storeu_ps(dst + i, dtype == DT_FLOAT16 ? _mm256_cvtph_ps(h)
+                                  : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+    }
+#endif
+#ifdef __F16C__
+    if (dtype == DT_FLOAT16) {
+        for (; i < n; i++) dst[i] = f16_to_float(src[i]);
+        return;
+    }
+#endif
+    for (; i < n; i++) dst[i] = bf16_to_float(src[i]);
+}
+
+static inline void store_row(int dtype, const float *src, int64_t n, void *base, int64_t index) {
+    if (dtype == DT_FLOAT32) {
+        memcpy((float *)base + index, src, (size_t)n * sizeof(float));
+        return;
+    }
+    uint16_t *dst = (uint16_t *)base + index;
+#ifdef __F16C__
+    if (dtype == DT_FLOAT16) {
+        for (int64_t i = 0; i < n; i++) dst[i] = float_to_f16(src[i]);
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < n; i++) dst[i] = float_to_bf16(src[i]);
+}
+
+/* a . b over n floats in a fixed summation order. */
+static inline float dot(const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    float acc = 0.0f;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (n >= 8) {
+        __m256 sum = _mm256_setzero_ps();
+        for (; i + 8 <= n; i += 8) sum = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), sum);
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        acc = _mm_cvtss_f32(s);
+    }
+#endif
+    for (; i < n; i++) acc += a[i] * b[i];
+    return acc;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define VECTOR_PATH 1
+/* e^x for x <= 0 (softmax terms), 8 at a time: Cephes' expf polynomial after x = n ln 2 + r;
+   within 2 ulp of expf, and 0 below -87. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* q . each of 8 rows `stride` floats apart (n a multiple of 8), as one vector: the 8
+   accumulators summed across by a fixed tree of hadds (no per-row horizontal sum). */
+static inline __m256 dot8(const float *q, const float *rows, int64_t stride, int64_t n) {
+    __m256 a[8];
+    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) {
+        __m256 qv = _mm256_loadu_ps(q + i);
+        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows + j * stride + i), a[j]);
+    }
+    __m256 h0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    __m256 h4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
+}
+#endif
+
+/* A cache row (token slot, KV head) as floats: in place for float32, else widened into `scratch`. */
+static inline const float *cache_row(int dtype, const void *cache, int64_t index, int64_t n, float *scratch) {
+    if (dtype == DT_FLOAT32) return (const float *)cache + index;
+    widen_row(dtype, cache, index, n, scratch);
+    return scratch;
+}
+
+/* scores[h * MAX_BLOCK + t] = the scaled (and capped) q_h . key t for the block's n keys,
+   key t at element `first + t * stride` of the cache; `rows` holds 8 widened keys. */
+static inline void block_scores(int dtype, const float *qf, const void *k, int64_t first, int64_t stride,
+                                int64_t head_dim, int64_t n, int64_t group, float scale, float softcap,
+                                float *scores, float *rows) {
+    int64_t t = 0;
+#ifdef VECTOR_PATH
+    if (head_dim % 8 == 0 && softcap <= 0.0f) {
+        const __m256 scale8 = _mm256_set1_ps(scale);
+        for (; t + 8 <= n; t += 8) {
+            const float *keys = (const float *)k + first + t * stride;
+            int64_t key_stride = stride;
+            if (dtype != DT_FLOAT32) {
+                for (int j = 0; j < 8; j++) widen_row(dtype, k, first + (t + j) * stride, head_dim, rows + j * head_dim);
+                keys = rows;
+                key_stride = head_dim;
+            }
+            for (int64_t h = 0; h < group; h++)
+                _mm256_storeu_ps(scores + h * MAX_BLOCK + t,
+                                 _mm256_mul_ps(dot8(qf + h * head_dim, keys, key_stride, head_dim), scale8));
+        }
+    }
+#endif
+    for (; t < n; t++) {
+        const float *key = cache_row(dtype, k, first + t * stride, head_dim, rows);
+        for (int64_t h = 0; h < group; h++) {
+            float s = dot(qf + h * head_dim, key, head_dim) * scale;
+            scores[h * MAX_BLOCK + t] = softcap > 0.0f ? softcap * tanhf(s / softcap) : s;
+        }
+    }
+}
+
+/* x[t] = e^(x[t] - max) for t < n; returns their sum (in a fixed order). */
+static inline float exponentiate(float *x, int64_t n, float max) {
+    int64_t t = 0;
+    float sum = 0.0f;
+#ifdef VECTOR_PATH
+    const __m256 max8 = _mm256_set1_ps(max);
+    for (; t + 8 <= n; t += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + t), max8));
+        _mm256_storeu_ps(x + t, e);
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(e), _mm256_extractf128_ps(e, 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        sum += _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+    }
+#endif
+    for (; t < n; t++) {
+        x[t] = expf(x[t] - max);
+        sum += x[t];
+    }
+    return sum;
+}
+
+/* One sequence's query heads [kv_head * group, (kv_head + 1) * group) over KV head
+   `kv_head`: each key and value row is read (and widened) once for all of them. */
+static void attend_group(int dtype, const void *q, int64_t q_row, const void *k, const void *v, int64_t kv_heads,
+                         int64_t kv_head, int64_t head_dim, int64_t block_size, const int64_t *table, int64_t len,
+                         int64_t first, int64_t group, float scale, float softcap, void *out, int64_t out_row,
+                         float *work) {
+    float *qf = work, *acc = qf + group * head_dim, *maxes = acc + group * head_dim, *sums = maxes + group,
+          *scores = sums + group, *rows = scores + group * MAX_BLOCK, *row = rows;
+    for (int64_t h = 0; h < group; h++) {
+        widen_row(dtype, q, q_row + (kv_head * group + h) * head_dim, head_dim, qf + h * head_dim);
+        maxes[h] = -INFINITY;
+        sums[h] = 0.0f;
+    }
+    memset(acc, 0, (size_t)(group * head_dim) * sizeof(float));
+    for (int64_t b = first / block_size; b * block_size < len; b++) {
+        int64_t from = b * block_size < first ? first : b * block_size;
+        int64_t to = (b + 1) * block_size < len ? (b + 1) * block_size : len, n = to - from;
+        int64_t slot = table[b] * block_size + (from - b * block_size);
+        block_scores(dtype, qf, k, (slot * kv_heads + kv_head) * head_dim, kv_heads * head_dim, head_dim, n, group,
+                     scale, softcap, scores, rows);
+        for (int64_t h = 0; h < group; h++) {  /* the running maxima take the block's */
+            float *sh = scores + h * MAX_BLOCK, block_max = -INFINITY;
+            for (int64_t t = 0; t < n; t++) block_max = sh[t] > block_max ? sh[t] : block_max;
+            if (block_max > maxes[h]) {
+                float rescale = expf(maxes[h] - block_max);  /* 0 on the first block (exp(-inf)) */
+                for (int64_t i = 0; i < head_dim; i++) acc[h * head_dim + i] *= rescale;
+                sums[h] *= rescale;
+                maxes[h] = block_max;
+            }
+            sums[h] += exponentiate(sh, n, maxes[h]);
+        }
+        for (int64_t t = 0; t < n; t++) {
+            const float *value = cache_row(dtype, v, ((slot + t) * kv_heads + kv_head) * head_dim, head_dim, row);
+            for (int64_t h = 0; h < group; h++) {
+                float p = scores[h * MAX_BLOCK + t], *ah = acc + h * head_dim;
+                for (int64_t i = 0; i < head_dim; i++) ah[i] += p * value[i];
+            }
+        }
+    }
+    for (int64_t h = 0; h < group; h++) {
+        float *ah = acc + h * head_dim, inv = sums[h] > 0.0f ? 1.0f / sums[h] : 0.0f;
+        for (int64_t i = 0; i < head_dim; i++) ah[i] *= inv;
+        store_row(dtype, ah, head_dim, out, out_row + (kv_head * group + h) * head_dim);
+    }
+}
+
+/* Floats of scratch one task needs. */
+static int64_t task_work(int64_t group, int64_t head_dim) { return 2 * group * head_dim + 2 * group + group * MAX_BLOCK + 8 * head_dim; }
+
+/* 0 on success; 1: an unsupported dtype, block size or head grouping (the caller takes
+   its general path). `window` <= 0: none; `softcap` <= 0: none. */
+int paged_decode_attention(int dtype, const void *q, int64_t q_stride, const void *k, const void *v, int64_t heads,
+                           int64_t kv_heads, int64_t head_dim, int64_t block_size, const int64_t *tables,
+                           int64_t width, const int32_t *lens, int64_t num_seqs, float scale, int64_t window,
+                           float softcap, void *out, int threads) {
+#ifndef __F16C__
+    if (dtype == DT_FLOAT16) return 1;
+#endif
+    if (dtype < DT_FLOAT32 || dtype > DT_FLOAT16 || block_size > MAX_BLOCK || heads % kv_heads) return 1;
+    const int64_t group = heads / kv_heads, tasks = num_seqs * kv_heads, per_task = task_work(group, head_dim);
+    float *work = malloc((size_t)(per_task * (threads > 0 ? threads : 1)) * sizeof(float));
+    if (work == NULL) return 1;
+    int64_t products = 0;  /* query-key pairs times head_dim: below SERIAL_WORK a team costs more than it saves */
+    for (int64_t seq = 0; seq < num_seqs; seq++) products += (int64_t)lens[seq] * heads * head_dim;
+#pragma omp parallel for num_threads(threads) schedule(static) if (products >= SERIAL_WORK)
+    for (int64_t task = 0; task < tasks; task++) {
+        int64_t seq = task / kv_heads, kv_head = task % kv_heads, len = lens[seq];
+        int64_t first = window > 0 && len > window ? len - window : 0;
+        int thread = 0;
+#ifdef _OPENMP
+        thread = omp_get_thread_num();
+#endif
+        attend_group(dtype, q, seq * q_stride, k, v, kv_heads, kv_head, head_dim, block_size, tables + seq * width,
+                     len, first, group, scale, softcap, out, seq * heads * head_dim, work + thread * per_task);
+    }
+    free(work);
+    return 0;
+}
