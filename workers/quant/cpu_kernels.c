@@ -360,6 +360,23 @@ static inline __m256i broadcast4(const int8_t *p) { int32_t v; memcpy(&v, p, 4);
    additions into all the products first, spilling them to the stack (2x slower). */
 #define IN_REGISTER(v) __asm__("" : "+x"(v))
 
+/* acc + the sums of each 32-bit lane's 4 u8 x s8 products, in int32: one VNNI instruction
+   where the CPU has it (AVX-VNNI, or AVX512-VNNI with VL: Ice Lake, Sapphire Rapids, Zen 4),
+   else maddubs (pairs into int16) and madd (pairs of those into int32). Integer sums: the
+   same numbers either way (no int16 pair saturates: |w| <= 127 and |x| <= 127, or u4 x s8). */
+#if defined(__AVXVNNI__)
+#define VNNI 1
+static inline __m256i dot4_add(__m256i acc, __m256i u, __m256i s8) { return _mm256_dpbusd_avx_epi32(acc, u, s8); }
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define VNNI 1
+static inline __m256i dot4_add(__m256i acc, __m256i u, __m256i s8) { return _mm256_dpbusd_epi32(acc, u, s8); }
+#else
+#define VNNI 0
+static inline __m256i dot4_add(__m256i acc, __m256i u, __m256i s8) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s8), _mm256_set1_epi16(1)));
+}
+#endif
+
 /* An interleaved block's 8 rows' scales (columns 0-15 and 16-31) and minimums. */
 static inline void group_fields(int fmt, const uint8_t *blk, __m256 *d_lo, __m256 *d_hi, __m256 *m) {
     switch (fmt) {
@@ -398,8 +415,7 @@ static inline __attribute__((always_inline)) void group_rows_q8(int fmt, const u
                 __m256i sum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};  /* columns 0-15, 16-31 */
                 for (int g = 0; g < 8; g++) {  /* |w| x (x * sign w): u8 x s8 pairs stay within int16 */
                     __m256i w = _mm256_loadu_si256((const __m256i *)(qs + 32 * g));
-                    __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(broadcast4(xb + 4 * g), w));
-                    sum[g / 4] = _mm256_add_epi32(sum[g / 4], _mm256_madd_epi16(pairs, ones));
+                    sum[g / 4] = dot4_add(sum[g / 4], _mm256_sign_epi8(w, w), _mm256_sign_epi8(broadcast4(xb + 4 * g), w));
                 }
                 __m256 scale = _mm256_set1_ps(a->scale);
                 if (fmt == FMT_Q8_0) {  /* one scale a block, no minimum */
@@ -416,22 +432,26 @@ static inline __attribute__((always_inline)) void group_rows_q8(int fmt, const u
         /* Each run is widened once into its low and high nibbles and taken by every row in
            turn; the rows' int16 sums of 8 products of u8 <= 15 and |s8| <= 127 pairs stay
            <= 30480. (Widening all 8 runs first would spill registers.) */
-        __m256i s[GEMM_ROWS];
+        __m256i s[GEMM_ROWS];  /* int32 lanes with VNNI, int16 pairs without */
         for (int r = 0; r < rows; r++) s[r] = _mm256_setzero_si256();
         for (int i = 0; i < 4; i++) {
             __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * i));
             __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
             for (int r = 0; r < rows; r++) {
                 const int8_t *xb = xq + r * K + b * QK + 4 * i;
+#if VNNI
+                s[r] = dot4_add(dot4_add(s[r], lo, broadcast4(xb)), hi, broadcast4(xb + 16));
+#else
                 s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(lo, broadcast4(xb)));
                 s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(hi, broadcast4(xb + 16)));
+#endif
                 IN_REGISTER(s[r]);
             }
         }
         for (int r = 0; r < rows; r++) {
             const act_block *a = meta + r * nblocks + b;
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a->scale)),
-                                     _mm256_cvtepi32_ps(_mm256_madd_epi16(s[r], ones)), acc[r]);
+            __m256i sums = VNNI ? s[r] : _mm256_madd_epi16(s[r], ones);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a->scale)), _mm256_cvtepi32_ps(sums), acc[r]);
             acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a->sum), acc[r]);  /* minimum (Q4_0: -8 d) x sum of x */
         }
     }

@@ -6,6 +6,7 @@ tokens through the engine."""
 from __future__ import annotations
 
 import copy
+import platform
 
 import gguf
 import numpy as np
@@ -216,6 +217,40 @@ def test_portable_build_computes_what_the_native_one_does(tmp_path, fmt):
     for levels in (1, 2):  # the same integers; float sums in another order
         got = portable.interleaved_matmul(packed.fmt, interleaved, 48, 256, x, levels)
         assert _relative_error(got, native.interleaved_matmul(packed.fmt, interleaved, 48, 256, x, levels)) < 1e-5
+
+
+def _has_vnni() -> bool:
+    import shutil
+    import subprocess
+
+    if shutil.which("gcc") is None:
+        return False
+    macros = subprocess.run(["gcc", "-march=native", "-dM", "-E", "-"], input="", capture_output=True, text=True,
+                            timeout=60).stdout
+    return "__AVXVNNI__" in macros or ("__AVX512VNNI__" in macros and "__AVX512VL__" in macros)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or not _has_vnni(), reason="a CPU with VNNI (integer dot products)")
+@pytest.mark.parametrize("fmt", FORMATS + K_QUANTS, ids=lambda f: f.name)
+def test_vnni_products_equal_the_avx2_ones_bit_for_bit(tmp_path, fmt):
+    """The native build's VNNI dot products against the same source built without VNNI
+    (maddubs + madd): integer sums, so the very same floats at 1 to 9 rows and both levels."""
+    import ctypes
+    import subprocess
+
+    from workers.quant import native_kernels
+
+    target = tmp_path / "no_vnni.so"
+    subprocess.run(["gcc", "-O3", "-march=native", "-mno-avxvnni", "-mno-avx512vnni", "-fopenmp", "-shared", "-fPIC",
+                    "-o", str(target), str(native_kernels.SOURCE)], check=True, capture_output=True, timeout=120)
+    avx2, native = QuantKernels(ctypes.CDLL(str(target))), kernels()
+    packed, _ = _packed_k_quant(fmt, 48, 256) if fmt in K_QUANTS else _packed(fmt, 48, 256)
+    interleaved = interleave_rows(packed.blocks, packed.fmt)
+    for rows in (1, 4, 9):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+        for levels in (1, 2):
+            assert torch.equal(avx2.interleaved_matmul(packed.fmt, interleaved, 48, 256, x, levels),
+                               native.interleaved_matmul(packed.fmt, interleaved, 48, 256, x, levels))
 
 
 def test_portable_build_widens_every_e4m3_code_as_torch_does(tmp_path):
