@@ -130,7 +130,8 @@ def engine_decode_ms(model, prompt_ids: list[int], batch: int, steps: int, token
         engine.add_request(prompt_ids, SamplingParams(max_tokens=steps + 8, temperature=0.8, ignore_eos=True,
                                                       guided=guided))
     mask_s = _time_masks(engine)
-    engine.step()  # prefill everyone
+    while len(engine.step()) < batch:  # prefill everyone (long prompts take several steps)
+        pass
     engine.step()
     mask_s[0] = 0.0
     start = time.perf_counter()

@@ -6,10 +6,13 @@ head_dim], slot = block * block_size + offset; `tables` [D, width] holds each se
 blocks and `lens` [D] its context length, the new token included. q [D, heads, head_dim]
 (rows `q_stride` elements apart), out [D, heads, head_dim] contiguous.
 
-One task a (sequence, KV head): the key and value rows are read once for the query heads
-that share them (grouped-query attention), and the softmax runs online, block by block in
-position order, in float32 whatever the cache's dtype. A sequence's result depends only
-on its own query and context, never on the batch around it or on the thread count.
+One task a (sequence, KV head, partition of 256 keys): the key and value rows are read
+once for the query heads that share them (grouped-query attention), keys are scored 8 at a
+time, and the softmax runs online, block by block in position order, in float32 whatever
+the cache's dtype; a sequence's partitions are then merged in order. The partitions let one
+long context use every thread; they are cut by the row's length alone, so a sequence's
+result depends only on its own query and context, never on the batch around it or on the
+thread count.
 
 Built by workers/native/build.py with the host's gcc (-O3 -march=native -fopenmp); torch's
 OpenMP runtime runs the tasks. */
@@ -202,22 +205,22 @@ static inline float exponentiate(float *x, int64_t n, float max) {
 }
 
 /* One sequence's query heads [kv_head * group, (kv_head + 1) * group) over KV head
-   `kv_head`: each key and value row is read (and widened) once for all of them. */
-static void attend_group(int dtype, const void *q, int64_t q_row, const void *k, const void *v, int64_t kv_heads,
-                         int64_t kv_head, int64_t head_dim, int64_t block_size, const int64_t *table, int64_t len,
-                         int64_t first, int64_t group, float scale, float softcap, void *out, int64_t out_row,
+   `kv_head`, keys [first, end): each key and value row is read (and widened) once for all
+   of them. Leaves the range's softmax unnormalized: acc (group x head_dim) = sum of
+   e^(s - max) v, and per head its max and sum of e^(s - max). */
+static void attend_range(int dtype, const float *qf, const void *k, const void *v, int64_t kv_heads, int64_t kv_head,
+                         int64_t head_dim, int64_t block_size, const int64_t *table, int64_t first, int64_t end,
+                         int64_t group, float scale, float softcap, float *acc, float *maxes, float *sums,
                          float *work) {
-    float *qf = work, *acc = qf + group * head_dim, *maxes = acc + group * head_dim, *sums = maxes + group,
-          *scores = sums + group, *rows = scores + group * MAX_BLOCK, *row = rows;
+    float *scores = work, *rows = scores + group * MAX_BLOCK, *row = rows;
     for (int64_t h = 0; h < group; h++) {
-        widen_row(dtype, q, q_row + (kv_head * group + h) * head_dim, head_dim, qf + h * head_dim);
         maxes[h] = -INFINITY;
         sums[h] = 0.0f;
     }
     memset(acc, 0, (size_t)(group * head_dim) * sizeof(float));
-    for (int64_t b = first / block_size; b * block_size < len; b++) {
+    for (int64_t b = first / block_size; b * block_size < end; b++) {
         int64_t from = b * block_size < first ? first : b * block_size;
-        int64_t to = (b + 1) * block_size < len ? (b + 1) * block_size : len, n = to - from;
+        int64_t to = (b + 1) * block_size < end ? (b + 1) * block_size : end, n = to - from;
         int64_t slot = table[b] * block_size + (from - b * block_size);
         block_scores(dtype, qf, k, (slot * kv_heads + kv_head) * head_dim, kv_heads * head_dim, head_dim, n, group,
                      scale, softcap, scores, rows);
@@ -240,15 +243,52 @@ static void attend_group(int dtype, const void *q, int64_t q_row, const void *k,
             }
         }
     }
+}
+
+/* The keys a decode row sees: [first, len), cut into partitions of PARTITION keys from
+   `first`. A long context is split so that one sequence's attention spreads over the
+   threads; the cut depends on the row's length and window only, so the sums do too. */
+#define PARTITION 256
+
+static inline int64_t first_key(int64_t len, int64_t window) { return window > 0 && len > window ? len - window : 0; }
+static inline int64_t partitions(int64_t len, int64_t window) {
+    return (len - first_key(len, window) + PARTITION - 1) / PARTITION;
+}
+
+/* Floats of scratch: a thread's (scores, widened rows, the query), a partition's result. */
+static int64_t thread_work(int64_t group, int64_t head_dim) { return group * MAX_BLOCK + 8 * head_dim + group * head_dim; }
+static int64_t part_floats(int64_t group, int64_t head_dim) { return group * head_dim + 2 * group; }
+
+/* The partitions of one (sequence, KV head) merged in order into its output rows. */
+static void merge_partitions(int dtype, const float *parts, int64_t count, int64_t group, int64_t head_dim, void *out,
+                             int64_t out_row, float *acc) {
+    const int64_t stride = part_floats(group, head_dim);
     for (int64_t h = 0; h < group; h++) {
-        float *ah = acc + h * head_dim, inv = sums[h] > 0.0f ? 1.0f / sums[h] : 0.0f;
-        for (int64_t i = 0; i < head_dim; i++) ah[i] *= inv;
-        store_row(dtype, ah, head_dim, out, out_row + (kv_head * group + h) * head_dim);
+        float max = -INFINITY, sum = 0.0f;
+        for (int64_t p = 0; p < count; p++) {
+            float m = parts[p * stride + group * head_dim + h];
+            max = m > max ? m : max;
+        }
+        memset(acc, 0, (size_t)head_dim * sizeof(float));
+        for (int64_t p = 0; p < count; p++) {
+            const float *part = parts + p * stride;
+            float weight = expf(part[group * head_dim + h] - max);  /* exactly 1 for the largest (a lone one) */
+            sum += weight * part[group * head_dim + group + h];
+            for (int64_t i = 0; i < head_dim; i++) acc[i] += weight * part[h * head_dim + i];
+        }
+        float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        for (int64_t i = 0; i < head_dim; i++) acc[i] *= inv;
+        store_row(dtype, acc, head_dim, out, out_row + h * head_dim);
     }
 }
 
-/* Floats of scratch one task needs. */
-static int64_t task_work(int64_t group, int64_t head_dim) { return 2 * group * head_dim + 2 * group + group * MAX_BLOCK + 8 * head_dim; }
+static inline int thread_index(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
 
 /* 0 on success; 1: an unsupported dtype, block size or head grouping (the caller takes
    its general path). `window` <= 0: none; `softcap` <= 0: none. */
@@ -260,22 +300,50 @@ int paged_decode_attention(int dtype, const void *q, int64_t q_stride, const voi
     if (dtype == DT_FLOAT16) return 1;
 #endif
     if (dtype < DT_FLOAT32 || dtype > DT_FLOAT16 || block_size > MAX_BLOCK || heads % kv_heads) return 1;
-    const int64_t group = heads / kv_heads, tasks = num_seqs * kv_heads, per_task = task_work(group, head_dim);
-    float *work = malloc((size_t)(per_task * (threads > 0 ? threads : 1)) * sizeof(float));
-    if (work == NULL) return 1;
-    int64_t products = 0;  /* query-key pairs times head_dim: below SERIAL_WORK a team costs more than it saves */
-    for (int64_t seq = 0; seq < num_seqs; seq++) products += (int64_t)lens[seq] * heads * head_dim;
-#pragma omp parallel for num_threads(threads) schedule(static) if (products >= SERIAL_WORK)
-    for (int64_t task = 0; task < tasks; task++) {
-        int64_t seq = task / kv_heads, kv_head = task % kv_heads, len = lens[seq];
-        int64_t first = window > 0 && len > window ? len - window : 0;
-        int thread = 0;
-#ifdef _OPENMP
-        thread = omp_get_thread_num();
-#endif
-        attend_group(dtype, q, seq * q_stride, k, v, kv_heads, kv_head, head_dim, block_size, tables + seq * width,
-                     len, first, group, scale, softcap, out, seq * heads * head_dim, work + thread * per_task);
+    const int64_t group = heads / kv_heads, per_thread = thread_work(group, head_dim);
+    const int64_t per_part = part_floats(group, head_dim);
+    /* Task t: sequence task_seq[t], its partitions numbered from seq_first[seq] (each KV head's in a row). */
+    int64_t tasks = 0, products = 0;
+    int64_t *seq_first = malloc((size_t)(num_seqs + 1) * sizeof(int64_t));
+    if (seq_first == NULL) return 1;
+    for (int64_t seq = 0; seq < num_seqs; seq++) {
+        seq_first[seq] = tasks;
+        tasks += kv_heads * partitions(lens[seq], window);
+        products += (int64_t)lens[seq] * heads * head_dim;  /* below SERIAL_WORK a team costs more than it saves */
     }
-    free(work);
+    seq_first[num_seqs] = tasks;
+    int64_t *task_seq = malloc((size_t)(tasks > 0 ? tasks : 1) * sizeof(int64_t));
+    float *work = malloc((size_t)(per_thread * (threads > 0 ? threads : 1) + per_part * tasks) * sizeof(float));
+    if (task_seq == NULL || work == NULL) {
+        free(seq_first), free(task_seq), free(work);
+        return 1;
+    }
+    for (int64_t seq = 0; seq < num_seqs; seq++)
+        for (int64_t t = seq_first[seq]; t < seq_first[seq + 1]; t++) task_seq[t] = seq;
+    float *results = work + per_thread * (threads > 0 ? threads : 1);
+#pragma omp parallel num_threads(threads) if (products >= SERIAL_WORK)
+    {
+        float *mine = work + thread_index() * per_thread, *qf = mine + group * MAX_BLOCK + 8 * head_dim;
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < tasks; task++) {
+            int64_t seq = task_seq[task], len = lens[seq], count = partitions(len, window);
+            int64_t kv_head = (task - seq_first[seq]) / count, part = (task - seq_first[seq]) % count;
+            int64_t first = first_key(len, window) + part * PARTITION;
+            int64_t end = first + PARTITION < len ? first + PARTITION : len;
+            for (int64_t h = 0; h < group; h++)
+                widen_row(dtype, q, seq * q_stride + (kv_head * group + h) * head_dim, head_dim, qf + h * head_dim);
+            float *result = results + task * per_part;
+            attend_range(dtype, qf, k, v, kv_heads, kv_head, head_dim, block_size, tables + seq * width, first, end,
+                         group, scale, softcap, result, result + group * head_dim, result + group * head_dim + group,
+                         mine);
+        }
+#pragma omp for schedule(static)
+        for (int64_t pair = 0; pair < num_seqs * kv_heads; pair++) {
+            int64_t seq = pair / kv_heads, kv_head = pair % kv_heads, count = partitions(lens[seq], window);
+            merge_partitions(dtype, results + (seq_first[seq] + kv_head * count) * per_part, count, group, head_dim,
+                             out, seq * heads * head_dim + kv_head * group * head_dim, mine);
+        }
+    }
+    free(seq_first), free(task_seq), free(work);
     return 0;
 }

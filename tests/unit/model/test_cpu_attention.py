@@ -51,7 +51,7 @@ def _run(q, k, v, tables, lens, scale, window=None, softcap=None, threads=None):
 @pytest.mark.parametrize("head_dim", [64, 12])  # 12: not a multiple of 8 (the scalar loop)
 @pytest.mark.parametrize("window,softcap", [(None, None), (20, None), (None, 5.0)])
 def test_kernel_matches_dense_attention(dtype, tolerance, head_dim, window, softcap):
-    lens = [1, 15, 16, 17, 70]
+    lens = [1, 15, 16, 17, 70, 600]  # 600: three partitions of keys, merged
     q, k, v, tables, lens_t = _case(dtype, lens, head_dim=head_dim)
     scale = head_dim**-0.5
     out = _run(q, k, v, tables, lens_t, scale, window, softcap)
