@@ -8,7 +8,9 @@ kwargs. Each attention layer then calls `paged_attention`, which
 Decode tokens (one query each) are attended in one batch by a paged kernel that reads
 each context straight from the cache: on CUDA with Triton (triton_attention.py; it also
 runs inside the decode CUDA graphs), on CPU in C (cpu_attention.c); where neither is
-available, by one SDPA call over a padded gather of their context. Prefill chunks are attended one sequence at a time.
+available, by one SDPA call over a padded gather of their context. Prefill chunks are
+attended one sequence at a time (on CPU a short one with earlier context, such as a
+speculative verification, by the C kernel as decode rows).
 Because the hook is transformers' own `AttentionInterface`, every causal LM that
 transformers defines runs on this cache without a model rewrite. The hook's work is
 `attend_packed`, in the packed `[T, heads, head_dim]` layout, which the direct forward of
@@ -31,6 +33,13 @@ from workers.model.triton_attention import paged_decode_attention
 ATTN_IMPLEMENTATION = "chatserve_paged"
 
 
+# A span with earlier context of at most this many queries (a speculative verification, a
+# short chunk) is attended as that many decode rows by the C kernel: one call over the
+# cache in place instead of gathering the whole context for SDPA, and each query's sums
+# the same as had it been decoded. Longer spans take SDPA, whose matrix products win.
+KERNEL_SPAN = 16
+
+
 @dataclass
 class PrefillSpan:
     """A run of query tokens of one sequence inside the packed batch."""
@@ -39,6 +48,17 @@ class PrefillSpan:
     end: int  # one past the last index
     context_slots: torch.Tensor | None  # slots of positions [0, end_pos); None: no earlier context
     mask: torch.Tensor | None  # [q_len, kv_len] bool, True = attend; with context_slots
+    # Its queries as decode rows for the C kernel ([n, W] block tables, [n] context
+    # lengths), made by the first layer that needs them.
+    kernel_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def as_decode_rows(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kernel_rows is None:
+            n, total = self.end - self.start, self.context_slots.shape[0]
+            blocks = torch.div(self.context_slots[::block_size], block_size, rounding_mode="floor")
+            lens = torch.arange(total - n + 1, total + 1, dtype=torch.int32, device=blocks.device)
+            self.kernel_rows = (blocks.expand(n, -1).contiguous(), lens)
+        return self.kernel_rows
 
 
 @dataclass
@@ -101,7 +121,13 @@ def attend_packed(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     num_decode = meta.num_decode_tokens
     if num_decode:
         _attend_decodes(q[:num_decode], k_cache, v_cache, meta, layer, out[:num_decode])
+    kernel = cpu_decode_attention() if meta.cpu_decode else None
     for span in meta.prefills:
+        if (kernel is not None and span.context_slots is not None and span.end - span.start <= KERNEL_SPAN
+                and kernel(q[span.start : span.end], k_cache, v_cache, *span.as_decode_rows(meta.kv_cache.block_size),
+                           meta.kv_cache.block_size, layer.scale, layer.window, layer.softcap,
+                           out[span.start : span.end])):
+            continue
         qp = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, Dh]
         if span.context_slots is None:
             kp = k[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, KVH, kv, Dh]
