@@ -266,3 +266,17 @@ def test_each_structured_output_fits_its_constraint(tiny_app, fields, fits, stre
             texts[choice["index"]], finishes[choice["index"]] = choice["message"]["content"], choice["finish_reason"]
     assert finishes == {0: "stop", 1: "stop"}, (texts, finishes)
     assert all(fits(text) for text in texts.values()), texts
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_responses_route_takes_structured_outputs(client, stream):
+    """vLLM's fields on /v1/responses through the OpenAI SDK (`extra_body`), streamed and not."""
+    options = ["alpha", "beta gamma", "delta"]
+    kwargs = {"model": TINY_MODEL_ID, "input": "Pick one.", "temperature": 1.0, "max_output_tokens": 32,
+              "store": False, "extra_body": {"seed": 3, "structured_outputs": {"choice": options}}}
+    if stream:
+        events = list(client.responses.create(stream=True, **kwargs))
+        response = next(e.response for e in events if e.type == "response.completed")
+    else:
+        response = client.responses.create(**kwargs)
+    assert response.status == "completed" and response.output_text in options, response.output_text

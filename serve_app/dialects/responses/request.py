@@ -21,6 +21,7 @@ from pydantic import (
 
 from serve_app.http.errors import APIError, field_rule, unsupported
 from serve_app.schema.common import RequestModel
+from serve_app.schema.structured_outputs import StructuredOutputFields
 from serve_app.schema.tools import FunctionDefinition
 
 # ------------------------------------------------------------------------ content parts
@@ -213,7 +214,10 @@ class TextConfig(RequestModel):
 MAX_METADATA_KEYS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
 
-class ResponsesRequest(RequestModel):
+class ResponsesRequest(StructuredOutputFields, RequestModel):
+    """OpenAI's Responses request; vLLM's `structured_outputs` / `guided_*` fields too
+    (serve_app/schema/structured_outputs.py), as on chat."""
+
     model: str
     input: Annotated[list[InputItem], BeforeValidator(_string_as_message)]
     instructions: str | None = None

@@ -9,7 +9,8 @@ as the chat messages a later turn continues from.
   after the assistant's text, share one message); `function_call_output`: a `tool` message;
 - `reasoning` items: left out of the prompt;
 - `text.format`: the chat `response_format`, except with a forced call (`tool_choice`
-  required or a function), whose answer has no text to format.
+  required or a function), whose answer has no text to format;
+- vLLM's `structured_outputs` and `guided_*` fields: passed on as they are.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from serve_app.dialects.responses.response import (
 )
 from serve_app.http.errors import APIError
 from serve_app.http.request_body import parse_request
+from serve_app.schema.structured_outputs import LEGACY_FIELDS
 
 # The worker names the chat request's fields in its errors; these are the Responses names.
 WORKER_PARAM_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
@@ -68,6 +70,7 @@ def to_chat_request(req: ResponsesRequest, history: Sequence[dict[str, Any]] = (
         choice = req.tool_choice
         body["tool_choice"] = ({"type": "function", "function": {"name": choice.name}}
                                if isinstance(choice, FunctionToolChoice) else choice)
+    body.update(structured_fields(req))
     forced = req.tool_choice == "required" or isinstance(req.tool_choice, FunctionToolChoice)
     if (fmt := response_format(req)) is not None and not forced:
         # A forced call leaves no text to format (agents send their output format on every
@@ -75,6 +78,15 @@ def to_chat_request(req: ResponsesRequest, history: Sequence[dict[str, Any]] = (
         body["response_format"] = fmt
     with responses_params():
         return parse_request(ChatCompletionRequest, body)
+
+
+def structured_fields(req: ResponsesRequest) -> dict[str, Any]:
+    """vLLM's structured-output fields as sent, for the chat request (whose rules apply:
+    one constraint, none beside a JSON `text.format` or a forced call)."""
+    fields = {name: getattr(req, name) for name in ("structured_outputs", *LEGACY_FIELDS)}
+    if fields["structured_outputs"] is not None:
+        fields["structured_outputs"] = fields["structured_outputs"].model_dump(by_alias=True, exclude_none=True)
+    return {name: value for name, value in fields.items() if value is not None}
 
 
 def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:

@@ -14,6 +14,9 @@ from openai.types.responses import Response as SDKResponse
 from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter
 
+from serve_app.dialects.chat.translate import (
+    to_generate_request as chat_generate_request,
+)
 from serve_app.dialects.responses.output import (
     ResponseAccumulator,
     ResponseBuilder,
@@ -262,3 +265,27 @@ def test_output_items_continue_as_chat_messages():
     assert len(items) == 4 and len(messages) == 1
     assert messages[0]["content"] == "\nSure." and [c["function"]["arguments"] for c in messages[0]["tool_calls"]] == [
         '{"a": 1}', '{"a": 2}']
+
+
+# ------------------------------------------------------------- vLLM's structured outputs
+
+@pytest.mark.parametrize(("fields", "kind", "param"), [
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, "lark", "structured_outputs.choice"),
+    ({"structured_outputs": {"json": {"type": "object"}}}, "json_schema", "structured_outputs.json"),
+    ({"guided_regex": "[0-9]+"}, "regex", "guided_regex"),
+    ({"guided_grammar": 'start: "x"'}, "lark", "guided_grammar"),
+])
+def test_structured_output_fields_constrain_the_answer_as_on_chat(fields, kind, param):
+    guided = chat_generate_request(to_chat_request(request(**fields)), "r").params.guided
+    assert (guided.kind, guided.param) == (kind, param)
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+    ({"guided_regex": "a", "text": {"format": {"type": "json_object"}}}, "guided_regex"),
+    ({"structured_outputs": {"grammar": "start: nothing_here"}}, "structured_outputs.grammar"),
+])
+def test_broken_structured_outputs_are_400_naming_the_field(fields, param):
+    with pytest.raises(APIError) as info:
+        chat_generate_request(to_chat_request(request(**fields)), "r")
+    assert (info.value.status, info.value.param) == (400, param), info.value.message
