@@ -23,9 +23,10 @@ model's worker answers them with its tokenizer (workers/serving/tokenization.py)
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +53,8 @@ from serve_app.http.metrics import (
     CONTENT_TYPE,
     STATUS_CLIENT_GONE,
     IngressMetrics,
+    RecordingStream,
+    RequestRecord,
     current_record,
     route_request_log_to_serve,
 )
@@ -67,9 +70,11 @@ from serve_app.media.images import MediaResolver, first_image_param, image_error
 from serve_app.schema.common import ModelCard, ModelList
 from serve_app.schema.dialect import CallContext, Dialect
 from serve_app.transport.channels import WorkerChannels
+from serve_app.transport.fan_out import fan_out
 from serve_app.transport.worker_call import (
     Accumulator,
     Streamer,
+    WorkerCall,
     accumulate,
     call_worker,
     over_grpc,
@@ -104,12 +109,28 @@ async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
 
 @dataclass(frozen=True)
 class Prepared:
-    """A request ready for its worker call: the model's transport, the worker's request, and
-    the dialect's streamer or accumulator that answers it."""
+    """A request ready for its worker calls: the model's transport, the worker's requests
+    (one, or one per part of a request the dialect splits), and the dialect's streamer or
+    accumulator that answers it."""
 
     transport: WorkerChannels
-    request: GenerateRequest
+    requests: tuple[GenerateRequest, ...]
     output: Streamer | Accumulator
+    request_id: str  # the answer's id (each part's worker request adds "~<part>")
+
+    @property
+    def request(self) -> GenerateRequest:
+        """The worker's request of a request that is not split."""
+        return self.requests[0]
+
+
+async def _call_workers(transport: WorkerChannels, gen_requests: tuple[GenerateRequest, ...],
+                        param_names: Mapping[str, str] | None, record: RequestRecord) -> WorkerCall:
+    """A split request's calls as one (serve_app/transport/fan_out.py), recorded as one."""
+    merged = await fan_out([functools.partial(call_worker, transport, r, param_names) for r in gen_requests],
+                           gen_requests[0].params.n)
+    stream = RecordingStream(merged, record)
+    return WorkerCall(await stream.__anext__(), stream)
 
 
 def _generate_route(dialect: Dialect) -> Callable[[Request], Awaitable[Response]]:
@@ -287,13 +308,16 @@ class ChatIngress(HandleAPI):
         req = await self._parse(request, dialect.request_model)
         prepared = await self._prepare(dialect, req, stream=req.stream)
         record = current_record() or self.metrics.begin("")
-        gen_request = prepared.request
-        record.request_id = gen_request.request_id
+        gen_requests = prepared.requests
+        record.request_id = prepared.request_id
         if (session_key := current_session()) is not None:
-            gen_request = dataclasses.replace(gen_request, session_key=session_key)
+            gen_requests = tuple(dataclasses.replace(r, session_key=session_key) for r in gen_requests)
         output = prepared.output
         try:
-            call = await call_worker(prepared.transport, gen_request, dialect.param_names, record)
+            if len(gen_requests) == 1:
+                call = await call_worker(prepared.transport, gen_requests[0], dialect.param_names, record)
+            else:
+                call = await _call_workers(prepared.transport, gen_requests, dialect.param_names, record)
             if req.stream:
                 return StreamingResponse(relay(output.events(call.first, call.rest), call, record),
                                          media_type="text/event-stream")
@@ -315,11 +339,15 @@ class ChatIngress(HandleAPI):
         context = CallContext(self.config.model(target.base_model), self.config.server,
                               self.dialect_states.get(dialect.path))
         plan = dialect.plan(req, request_id, context)
+        parts = dialect.split(plan) if dialect.split is not None else [plan]
+        gen_requests = []
         with dialect.errors():
-            gen_request = dataclasses.replace(dialect.translate(plan, request_id, context.model), lora=target.lora)
-            await self._check_token_ids(target.base_model, gen_request.params)
-            gen_request = await self._with_images(target.base_model, gen_request)
-        return Prepared(transport, gen_request, dialect.output(plan, request_id, context, stream))
+            for number, part in enumerate(parts):
+                part_id = request_id if len(parts) == 1 else f"{request_id}~{number}"
+                gen_request = dataclasses.replace(dialect.translate(part, part_id, context.model), lora=target.lora)
+                await self._check_token_ids(target.base_model, gen_request.params)
+                gen_requests.append(await self._with_images(target.base_model, gen_request))
+        return Prepared(transport, tuple(gen_requests), dialect.output(plan, request_id, context, stream), request_id)
 
     def _worker(self, model: str) -> WorkerChannels:
         transport = self.transports.get(model)

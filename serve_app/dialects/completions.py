@@ -1,12 +1,14 @@
-"""`POST /v1/completions`: OpenAI's legacy text completion, one prompt a request.
+"""`POST /v1/completions`: OpenAI's legacy text completion.
 
 The prompt is sent to the worker as text (`GenerateRequest.prompt`), which tokenizes
 it with the tokenizer's special tokens (BOS where the model has one) and no chat
 template. Sampling fields mean what they mean on /v1/chat/completions.
 
 - `prompt`: a string, a list of token ids (fed to the model as they are: no BOS added),
-  or a list holding one of those. Lists of several prompts get a 400 naming `prompt`
-  (send one request per prompt); so does an id outside the vocabulary (the worker's check).
+  or a list of up to 64 of those. Each prompt of a list is its own worker call with its own
+  `n` choices, merged into one answer (serve_app/transport/fan_out.py): prompt p's choice i
+  has index `p * n + i`, and usage counts every prompt. An id outside the vocabulary is a
+  400 naming `prompt` (the worker's check), as is an empty prompt.
 - `max_tokens`: default 16, as OpenAI; `null` means the model's `default_max_tokens`.
 - `echo: true` puts the prompt in front of the text (in a stream: in front of the first
   text event).
@@ -72,24 +74,44 @@ def new_request_id() -> str:
     return f"cmpl-{uuid.uuid4().hex}"
 
 
+MAX_PROMPTS = 64  # a list of prompts is that many worker calls
+TokenIds = list[Annotated[int, Field(ge=0)]]
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(v, int) and not isinstance(v, bool)
+                                                          for v in value)
+
+
 class TextPrompt(RequestModel):
-    """What a completion request asks of which model."""
+    """What a completion request asks of which model: one prompt (text or token ids), or a
+    list of them (each its own set of choices)."""
 
     model: str
-    prompt: str | list[Annotated[int, Field(ge=0)]]  # text, or token ids
+    prompt: str | TokenIds | list[str | TokenIds]
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, prompt: Any) -> Any:
-        if isinstance(prompt, list) and prompt and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+    def _prompts(cls, prompt: Any) -> Any:
+        if _is_token_ids(prompt):
             return prompt  # one token-id prompt
         if isinstance(prompt, list):
-            if len(prompt) != 1:
-                raise ValueError(f"one prompt per request: got a list of {len(prompt)}; send one prompt")
-            prompt = prompt[0]
+            if not 1 <= len(prompt) <= MAX_PROMPTS:
+                raise ValueError(f"a list of 1 to {MAX_PROMPTS} prompts, got {len(prompt)}")
+            if any(isinstance(p, (str, list)) and not p for p in prompt):
+                raise ValueError("prompt must not be empty")
+            if len(prompt) == 1:
+                prompt = prompt[0]
         if isinstance(prompt, (str, list)) and not prompt:
             raise ValueError("prompt must not be empty")
         return prompt
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request (one, unless a list of several was sent)."""
+        if isinstance(self.prompt, str) or _is_token_ids(self.prompt):
+            return [self.prompt]
+        return list(self.prompt)
 
     @property
     def prompt_text(self) -> str | None:
@@ -126,8 +148,8 @@ class CompletionRequest(SamplingFields, TextPrompt):
             param = "n" if self.n > 1 else "best_of"
             return field_error(param, f"{param} > 1 needs sampling: greedy decoding (temperature 0 or top_k 1) "
                                "gives identical choices")
-        if self.echo and self.prompt_text is None:
-            return field_error("echo", "echo needs a text prompt (this one is token ids)")
+        if self.echo and not all(isinstance(p, str) for p in self.prompts):
+            return field_error("echo", "echo needs text prompts (token ids were sent)")
         if self.logprobs is not None and self.echo:
             return field_error("logprobs", "logprobs with echo (prompt logprobs) are not supported; drop one of them")
         return None
@@ -136,6 +158,12 @@ class CompletionRequest(SamplingFields, TextPrompt):
     def num_samples(self) -> int:
         """Choices the engine draws: best_of when it ranks them (sampling), else n."""
         return self.n if self.use_beam_search else max(self.n, self.best_of or self.n)
+
+
+def split_prompts(req: CompletionRequest) -> list[CompletionRequest]:
+    """A request with a list of prompts as one request per prompt (the same fields)."""
+    prompts = req.prompts
+    return [req] if len(prompts) == 1 else [req.model_copy(update={"prompt": p}) for p in prompts]
 
 
 def to_generate_request(req: CompletionRequest, request_id: str, model: ModelConfig | None = None) -> GenerateRequest:
@@ -229,8 +257,9 @@ class CompletionAccumulator:
         self.model = req.model
         self.created = int(time.time())
         self.n = req.n
+        self.num_samples = req.num_samples
         self.show_logprobs = req.logprobs is not None
-        self.choices = [_Choice(req.prompt_text if req.echo else "") for _ in range(req.num_samples)]
+        self.choices = [_Choice(prompt if req.echo else "") for prompt in req.prompts for _ in range(req.num_samples)]
         self.last = GenerationChunk()
 
     def add(self, chunk: GenerationChunk) -> None:
@@ -240,9 +269,12 @@ class CompletionAccumulator:
         self.last = chunk
 
     def result(self) -> Completion:
-        kept = self.choices
-        if len(kept) > self.n:
-            kept = sorted(kept, key=lambda c: c.cumulative_logprob, reverse=True)[: self.n]
+        kept = []
+        for first in range(0, len(self.choices), self.num_samples):  # each prompt's choices
+            drawn = self.choices[first : first + self.num_samples]
+            if len(drawn) > self.n:
+                drawn = sorted(drawn, key=lambda c: c.cumulative_logprob, reverse=True)[: self.n]
+            kept.extend(drawn)
         choices = [
             CompletionChoice(index=i, text="".join(c.texts),
                              logprobs=legacy_logprobs(c.logprobs, 0) if self.show_logprobs else None,
@@ -264,8 +296,8 @@ class CompletionStreamer:
         self.include_usage = bool(options and options.include_usage)
         self.continuous_usage = bool(options and options.continuous_usage_stats)
         self.show_logprobs = req.logprobs is not None
-        self.echo = [req.prompt_text if req.echo else ""] * req.n  # not yet sent, per choice
-        self.offsets = [0] * req.n  # characters sent, per choice (legacy text_offset)
+        self.echo = [prompt if req.echo else "" for prompt in req.prompts for _ in range(req.n)]  # not yet sent
+        self.offsets = [0] * len(self.echo)  # characters sent, per choice (legacy text_offset)
 
     async def events(self, first: GenerationChunk, rest: AsyncIterator[GenerationChunk]) -> AsyncIterator[str]:
         chunk: GenerationChunk | None = first
@@ -314,4 +346,5 @@ def output(req: CompletionRequest, request_id: str, context: CallContext,
 
 
 COMPLETIONS = Dialect(path="/v1/completions", request_model=CompletionRequest, new_id=new_request_id,
-                      translate=to_generate_request, output=output, param_names=WORKER_PARAM_NAMES)
+                      translate=to_generate_request, output=output, param_names=WORKER_PARAM_NAMES,
+                      split=split_prompts)

@@ -61,3 +61,7 @@ class Dialect(Generic[Req, Plan]):
     errors: Callable[[], AbstractContextManager[Any]] = nullcontext
     # Made once per ingress replica, handed to `plan` and `output` (e.g. a store of responses).
     state: Callable[[ServerOptions], Any] | None = None
+    # A request that is several (a list of prompts): one plan per worker call, each
+    # translated on its own; their chunks merge into one stream (choice i of part p is
+    # choice p * n + i), which `output`, made from the whole plan, answers.
+    split: Callable[[Plan], list[Plan]] | None = None

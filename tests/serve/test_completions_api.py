@@ -185,6 +185,29 @@ def test_openai_client_n_logprobs_best_of_and_beams(client):
     assert sorted(c.index for c in beams.choices) == [0, 1] and beams.choices[0].text != beams.choices[1].text
 
 
+def test_a_list_of_prompts_answers_each_with_its_own_choices(client, tiny_tokenizer):
+    """Each prompt is its own worker call: prompt p's choice i is index p * n + i, each the
+    text that prompt alone gives (greedy), and usage counts every prompt; streamed the same."""
+    prompts = ["The quick brown fox", [5, 9, 13, 7], "Hello there"]
+    kwargs = dict(model=TINY_MODEL_ID, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    alone = [client.completions.create(prompt=p, **kwargs).choices[0].text for p in prompts]
+    out = client.completions.create(prompt=prompts, **kwargs)
+    assert [c.index for c in out.choices] == [0, 1, 2] and [c.text for c in out.choices] == alone
+    prompt_tokens = sum(len(tiny_tokenizer(p)["input_ids"]) if isinstance(p, str) else len(p) for p in prompts)
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (prompt_tokens, 12)
+    streamed: dict[int, str] = {}
+    chunks = list(client.completions.create(prompt=prompts, stream=True, stream_options={"include_usage": True},
+                                            **kwargs))
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert streamed == dict(enumerate(alone)) and chunks[-1].usage.completion_tokens == 12
+    sampled = client.completions.create(model=TINY_MODEL_ID, prompt=["a b", "c d"], max_tokens=3, n=2, seed=4,
+                                        echo=True, extra_body={"ignore_eos": True})
+    assert [c.index for c in sampled.choices] == [0, 1, 2, 3] and sampled.usage.completion_tokens == 12
+    assert [c.text[:3] for c in sampled.choices] == ["a b", "a b", "c d", "c d"]
+
+
 def test_default_max_tokens_is_16(client):
     out = client.completions.create(model=TINY_MODEL_ID, prompt=PROMPT, temperature=0,
                                     extra_body={"ignore_eos": True})
@@ -249,8 +272,10 @@ def test_raw_sse(tiny_app):
         ({"model": TINY_MODEL_ID}, "prompt"),
         ({"model": TINY_MODEL_ID, "prompt": ""}, "prompt"),
         ({"model": TINY_MODEL_ID, "prompt": [1, -2, 3]}, "prompt"),
-        ({"model": TINY_MODEL_ID, "prompt": [[1, 2], [3]]}, "prompt"),
-        ({"model": TINY_MODEL_ID, "prompt": ["a", "b"]}, "prompt"),
+        ({"model": TINY_MODEL_ID, "prompt": [[1, 2], []]}, "prompt"),  # an empty prompt in a list
+        ({"model": TINY_MODEL_ID, "prompt": ["a"] * 65}, "prompt"),  # more than MAX_PROMPTS
+        ({"model": TINY_MODEL_ID, "prompt": [[1, 2], [3, 10**9]]}, "prompt"),  # outside the vocabulary
+        ({"model": TINY_MODEL_ID, "prompt": ["a", [1, 2]], "echo": True}, "echo"),
         ({"model": TINY_MODEL_ID, "prompt": PROMPT, "suffix": "x"}, "suffix"),
         ({"model": TINY_MODEL_ID, "prompt": PROMPT, "n": 2, "temperature": 0}, "n"),
         ({"model": TINY_MODEL_ID, "prompt": PROMPT, "logprobs": 21}, "logprobs"),
@@ -283,10 +308,9 @@ def test_a_token_id_prompt_answers_as_its_text_does(client, tiny_tokenizer):
 
 @pytest.mark.parametrize(("prompt", "extra", "param", "words"), [
     ([1, 2, 10**6], {}, "prompt", "outside this model's vocabulary"),
-    ([1, 2, 3], {"echo": True}, "echo", "echo needs a text prompt"),
-    ([[1, 2], [3, 4]], {}, "prompt", "one prompt per request"),
-    (["a", "b"], {}, "prompt", "one prompt per request"),
-    ([], {}, "prompt", "one prompt per request"),
+    ([1, 2, 3], {"echo": True}, "echo", "echo needs text prompts"),
+    ([[1, 2], [3, 10**6]], {}, "prompt", "outside this model's vocabulary"),  # the second of a list
+    ([], {}, "prompt", "a list of 1 to 64 prompts"),
 ])
 def test_token_id_prompts_that_cannot_run_are_400(tiny_app, prompt, extra, param, words):
     resp = post(tiny_app, {"model": TINY_MODEL_ID, "prompt": prompt, **extra})
