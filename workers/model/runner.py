@@ -152,6 +152,7 @@ class ModelRunner:
             decode_blocks=None,
             decode_mask=None,
             prefills=spans,
+            cpu_decode=self.cpu_decode,  # also short prefill spans (attention.KERNEL_SPAN)
         )
         self._add_decode_context(metadata, decodes, decode_ctx_lens)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=device).unsqueeze(0)
@@ -191,7 +192,7 @@ class ModelRunner:
         meta.decode_blocks = tables.to(self.device)
         meta.decode_context_lens = lens.to(self.device)
         if self.triton_decode or self.cpu_decode:
-            meta.triton_decode, meta.cpu_decode = self.triton_decode, self.cpu_decode
+            meta.triton_decode = self.triton_decode
             return
         width = tables.shape[1] * self.block_size
         mask = torch.arange(width).unsqueeze(0) < lens.unsqueeze(1)

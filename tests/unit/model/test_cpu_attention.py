@@ -101,3 +101,33 @@ def test_portable_build_computes_what_the_native_one_does(tmp_path):
         out = torch.empty_like(q)
         assert portable(q, k, v, tables, lens, BLOCK, 0.2, 24, 3.0, out)
         assert rel_err(out.float(), _run(q, k, v, tables, lens, 0.2, 24, 3.0).float()) < tolerance
+
+
+def test_a_short_span_computes_what_decode_steps_compute():
+    """A chunk of 4 tokens with earlier context (a speculative verification) through the
+    C kernel as decode rows: each query's output is bit for bit the one a decode step at
+    its position gives."""
+    from workers.contract.sampling_params import SamplingParams
+    from workers.core.batch import ScheduledChunk
+    from workers.core.sequence import Sequence
+    from workers.model.attention import LayerAttention, attend_packed
+    from workers.model.kv_cache import KVCacheShape, PagedKVCache
+    from workers.model.runner import ModelRunner
+
+    heads, kv_heads, head_dim, block_size, context, new = 6, 2, 16, 4, 21, 4
+    cache = PagedKVCache(KVCacheShape(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, dtype=torch.float32),
+                         num_blocks=16, block_size=block_size, device=torch.device("cpu"))
+    cache.keys.normal_()
+    cache.values.normal_()
+    runner = ModelRunner(model=None, kv_cache=cache, device=torch.device("cpu"), cpu_decode=True)
+    seq = Sequence(0, list(range(context + new)), SamplingParams(), frozenset(), 1000)
+    seq.block_table = [11, 3, 7, 0, 9, 14, 5]
+    q, k, v = torch.randn(new, heads, head_dim), torch.randn(new, kv_heads, head_dim), torch.randn(new, kv_heads, head_dim)
+    layer = LayerAttention(head_dim**-0.5, None, None)
+    seq.num_computed_tokens = context
+    span = attend_packed(0, q, k, v, runner.prepare([], [ScheduledChunk.of(seq, new)]).attn_metadata, layer)
+    for i in range(new):
+        seq.num_computed_tokens = context + i
+        meta = runner.prepare([ScheduledChunk.of(seq, 1)], []).attn_metadata
+        decoded = attend_packed(0, q[i : i + 1], k[i : i + 1], v[i : i + 1], meta, layer)
+        assert torch.equal(decoded[0], span[i]), i
