@@ -23,10 +23,9 @@ model's worker answers them with its tokenizer (workers/serving/tokenization.py)
 
 import asyncio
 import dataclasses
-import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,8 +52,6 @@ from serve_app.http.metrics import (
     CONTENT_TYPE,
     STATUS_CLIENT_GONE,
     IngressMetrics,
-    RecordingStream,
-    RequestRecord,
     current_record,
     route_request_log_to_serve,
 )
@@ -70,11 +67,10 @@ from serve_app.media.images import MediaResolver, first_image_param, image_error
 from serve_app.schema.common import ModelCard, ModelList
 from serve_app.schema.dialect import CallContext, Dialect
 from serve_app.transport.channels import WorkerChannels
-from serve_app.transport.fan_out import fan_out
+from serve_app.transport.fan_out import call_workers
 from serve_app.transport.worker_call import (
     Accumulator,
     Streamer,
-    WorkerCall,
     accumulate,
     call_worker,
     over_grpc,
@@ -122,15 +118,6 @@ class Prepared:
     def request(self) -> GenerateRequest:
         """The worker's request of a request that is not split."""
         return self.requests[0]
-
-
-async def _call_workers(transport: WorkerChannels, gen_requests: tuple[GenerateRequest, ...],
-                        param_names: Mapping[str, str] | None, record: RequestRecord) -> WorkerCall:
-    """A split request's calls as one (serve_app/transport/fan_out.py), recorded as one."""
-    merged = await fan_out([functools.partial(call_worker, transport, r, param_names) for r in gen_requests],
-                           gen_requests[0].params.n)
-    stream = RecordingStream(merged, record)
-    return WorkerCall(await stream.__anext__(), stream)
 
 
 def _generate_route(dialect: Dialect) -> Callable[[Request], Awaitable[Response]]:
@@ -317,7 +304,7 @@ class ChatIngress(HandleAPI):
             if len(gen_requests) == 1:
                 call = await call_worker(prepared.transport, gen_requests[0], dialect.param_names, record)
             else:
-                call = await _call_workers(prepared.transport, gen_requests, dialect.param_names, record)
+                call = await call_workers(prepared.transport, gen_requests, dialect.param_names, record)
             if req.stream:
                 return StreamingResponse(relay(output.events(call.first, call.rest), call, record),
                                          media_type="text/event-stream")

@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Awaitable, Callable, Sequence
+import functools
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
-from serve_app.transport.worker_call import ChunkStream, WorkerCall
+from serve_app.http.metrics import RecordingStream, RequestRecord
+from serve_app.transport.channels import WorkerChannels
+from serve_app.transport.worker_call import ChunkStream, WorkerCall, call_worker
 from workers.contract.chunks import GenerationChunk
+from workers.contract.requests import GenerateRequest
 
 _DONE = object()  # a call's stream ended
 
@@ -92,3 +96,13 @@ async def fan_out(starts: Sequence[Callable[[], Awaitable[WorkerCall]]], choices
                 result.rest.cancel()
         raise failed
     return MergedStream(results, choices_per_call)
+
+
+async def call_workers(transport: WorkerChannels, gen_requests: Sequence[GenerateRequest],
+                       param_names: Mapping[str, str] | None, record: RequestRecord) -> WorkerCall:
+    """`call_worker` for a request split into `gen_requests` (the same n each): one call
+    to the client, its merged chunks recorded as one request's."""
+    merged = await fan_out([functools.partial(call_worker, transport, r, param_names) for r in gen_requests],
+                           gen_requests[0].params.n)
+    stream = RecordingStream(merged, record)
+    return WorkerCall(await stream.__anext__(), stream)

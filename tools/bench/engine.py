@@ -220,15 +220,8 @@ def run_fusion(args, loaded) -> None:
 def run_direct(args, loaded) -> None:
     """The engine's decode step through transformers' forward against the direct forward
     (workers/model/direct_forward.py), alternating in one process."""
-    prompt_ids = loaded.tokenizer(PROMPT)["input_ids"]
-    variants = {"transformers": False, "direct": True}
-    for batch in args.batch:
-        runs: dict[str, list[float]] = {name: [] for name in variants}
-        for _ in range(args.repeat):
-            for name, direct in variants.items():
-                runs[name].append(engine_decode_ms(loaded.model, prompt_ids, batch, args.steps,
-                                                   direct_forward=direct)[0])
-        print(alternation_line(batch, runs), flush=True)
+    alternate_engine_steps(args, loaded.model, loaded.tokenizer(PROMPT)["input_ids"],
+                           {"transformers": {"direct_forward": False}, "direct": {"direct_forward": True}})
 
 
 def run_attention(args, loaded) -> None:
@@ -236,15 +229,20 @@ def run_attention(args, loaded) -> None:
     kernel (workers/model/cpu_attention.c), alternating in one process, at each context."""
     base = loaded.tokenizer(PROMPT)["input_ids"]
     for context in args.context:
-        prompt_ids = (base * (context // len(base) + 1))[:context]
         print(f"context {context} tokens", flush=True)
-        for batch in args.batch:
-            runs: dict[str, list[float]] = {"sdpa": [], "cpu_kernel": []}
-            for _ in range(args.repeat):
-                for name in runs:
-                    runs[name].append(engine_decode_ms(loaded.model, prompt_ids, batch, args.steps,
-                                                       cpu_decode=name == "cpu_kernel")[0])
-            print(alternation_line(batch, runs), flush=True)
+        alternate_engine_steps(args, loaded.model, (base * (context // len(base) + 1))[:context],
+                               {"sdpa": {"cpu_decode": False}, "cpu_kernel": {"cpu_decode": True}})
+
+
+def alternate_engine_steps(args, model, prompt_ids: list[int], variants: dict[str, dict]) -> None:
+    """Per batch size: `args.repeat` rounds, each timing an engine of every variant
+    (engine_decode_ms keywords) once in turn."""
+    for batch in args.batch:
+        runs: dict[str, list[float]] = {name: [] for name in variants}
+        for _ in range(args.repeat):
+            for name, options in variants.items():
+                runs[name].append(engine_decode_ms(model, prompt_ids, batch, args.steps, **options)[0])
+        print(alternation_line(batch, runs), flush=True)
 
 
 @torch.inference_mode()

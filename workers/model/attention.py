@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from workers.model.cpu_attention import cpu_decode_attention
+from workers.model.cpu_attention import CpuDecodeAttention, cpu_decode_attention
 from workers.model.kv_cache import PagedKVCache
 from workers.model.triton_attention import paged_decode_attention
 
@@ -34,9 +34,11 @@ ATTN_IMPLEMENTATION = "chatserve_paged"
 
 
 # A span with earlier context of at most this many queries (a speculative verification, a
-# short chunk) is attended as that many decode rows by the C kernel: one call over the
-# cache in place instead of gathering the whole context for SDPA, and each query's sums
-# the same as had it been decoded. Longer spans take SDPA, whose matrix products win.
+# short chunk, the tail after a prefix-cache hit) is attended as that many decode rows by
+# the C kernel: one call over the cache in place instead of gathering the whole context
+# for SDPA, and each query's sums the same as had it been decoded. Longer spans (a long
+# prompt's chunks) take SDPA: the kernel runs each query on its own, and where that stops
+# paying has not been measured.
 KERNEL_SPAN = 16
 
 
@@ -119,14 +121,11 @@ def attend_packed(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     v_cache.index_copy_(0, meta.slot_mapping, v)
     out = q.new_empty(q.shape)
     num_decode = meta.num_decode_tokens
-    if num_decode:
-        _attend_decodes(q[:num_decode], k_cache, v_cache, meta, layer, out[:num_decode])
     kernel = cpu_decode_attention() if meta.cpu_decode else None
+    if num_decode:
+        _attend_decodes(q[:num_decode], k_cache, v_cache, meta, layer, out[:num_decode], kernel)
     for span in meta.prefills:
-        if (kernel is not None and span.context_slots is not None and span.end - span.start <= KERNEL_SPAN
-                and kernel(q[span.start : span.end], k_cache, v_cache, *span.as_decode_rows(meta.kv_cache.block_size),
-                           meta.kv_cache.block_size, layer.scale, layer.window, layer.softcap,
-                           out[span.start : span.end])):
+        if kernel is not None and _span_by_kernel(kernel, q, k_cache, v_cache, span, meta, layer, out):
             continue
         qp = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, Dh]
         if span.context_slots is None:
@@ -142,15 +141,25 @@ def attend_packed(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     return out
 
 
+def _span_by_kernel(kernel: CpuDecodeAttention, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    span: PrefillSpan, meta: AttentionMetadata, layer: LayerAttention, out: torch.Tensor) -> bool:
+    """A short span with earlier context as decode rows of the C kernel (KERNEL_SPAN);
+    False when it is not one, or the kernel does not take it."""
+    if span.context_slots is None or span.end - span.start > KERNEL_SPAN:
+        return False
+    block_size = meta.kv_cache.block_size
+    return kernel(q[span.start : span.end], k_cache, v_cache, *span.as_decode_rows(block_size), block_size,
+                  layer.scale, layer.window, layer.softcap, out[span.start : span.end])
+
+
 def _attend_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    layer: LayerAttention, out: torch.Tensor) -> None:
+                    layer: LayerAttention, out: torch.Tensor, kernel: CpuDecodeAttention | None) -> None:
     """q [D, H, Dh] (one query per decode row) -> out [D, H, Dh]."""
     block_size = meta.kv_cache.block_size
     if meta.triton_decode:
         paged_decode_attention(q, k_cache, v_cache, meta.decode_blocks, meta.decode_context_lens,
                                block_size, layer.scale, out=out, sliding_window=layer.window, softcap=layer.softcap)
         return
-    kernel = cpu_decode_attention() if meta.cpu_decode else None
     if kernel is not None and kernel(q, k_cache, v_cache, meta.decode_blocks, meta.decode_context_lens, block_size,
                                      layer.scale, layer.window, layer.softcap, out):
         return

@@ -212,7 +212,7 @@ static void attend_range(int dtype, const float *qf, const void *k, const void *
                          int64_t head_dim, int64_t block_size, const int64_t *table, int64_t first, int64_t end,
                          int64_t group, float scale, float softcap, float *acc, float *maxes, float *sums,
                          float *work) {
-    float *scores = work, *rows = scores + group * MAX_BLOCK, *row = rows;
+    float *scores = work, *rows = scores + group * MAX_BLOCK;  /* rows: 8 widened keys, or one value */
     for (int64_t h = 0; h < group; h++) {
         maxes[h] = -INFINITY;
         sums[h] = 0.0f;
@@ -236,7 +236,7 @@ static void attend_range(int dtype, const float *qf, const void *k, const void *
             sums[h] += exponentiate(sh, n, maxes[h]);
         }
         for (int64_t t = 0; t < n; t++) {
-            const float *value = cache_row(dtype, v, ((slot + t) * kv_heads + kv_head) * head_dim, head_dim, row);
+            const float *value = cache_row(dtype, v, ((slot + t) * kv_heads + kv_head) * head_dim, head_dim, rows);
             for (int64_t h = 0; h < group; h++) {
                 float p = scores[h * MAX_BLOCK + t], *ah = acc + h * head_dim;
                 for (int64_t i = 0; i < head_dim; i++) ah[i] += p * value[i];

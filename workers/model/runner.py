@@ -152,6 +152,7 @@ class ModelRunner:
             decode_blocks=None,
             decode_mask=None,
             prefills=spans,
+            triton_decode=self.triton_decode,
             cpu_decode=self.cpu_decode,  # also short prefill spans (attention.KERNEL_SPAN)
         )
         self._add_decode_context(metadata, decodes, decode_ctx_lens)
@@ -192,8 +193,7 @@ class ModelRunner:
         meta.decode_blocks = tables.to(self.device)
         meta.decode_context_lens = lens.to(self.device)
         if self.triton_decode or self.cpu_decode:
-            meta.triton_decode = self.triton_decode
-            return
+            return  # the kernels need no mask
         width = tables.shape[1] * self.block_size
         mask = torch.arange(width).unsqueeze(0) < lens.unsqueeze(1)
         meta.decode_mask = mask.view(len(decodes), 1, 1, width).to(self.device)

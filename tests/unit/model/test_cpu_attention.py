@@ -8,8 +8,14 @@ import pytest
 import torch
 
 from tests.unit.model.test_attention import dense_causal_attention, rel_err
+from workers.contract.sampling_params import SamplingParams
+from workers.core.batch import ScheduledChunk
+from workers.core.sequence import Sequence
 from workers.model import cpu_attention
+from workers.model.attention import LayerAttention, attend_packed
 from workers.model.cpu_attention import CpuDecodeAttention, cpu_decode_attention
+from workers.model.kv_cache import KVCacheShape, PagedKVCache
+from workers.model.runner import ModelRunner
 
 kernel = cpu_decode_attention()
 pytestmark = pytest.mark.skipif(kernel is None, reason="no C compiler to build cpu_attention.c")
@@ -107,13 +113,6 @@ def test_a_short_span_computes_what_decode_steps_compute():
     """A chunk of 4 tokens with earlier context (a speculative verification) through the
     C kernel as decode rows: each query's output is bit for bit the one a decode step at
     its position gives."""
-    from workers.contract.sampling_params import SamplingParams
-    from workers.core.batch import ScheduledChunk
-    from workers.core.sequence import Sequence
-    from workers.model.attention import LayerAttention, attend_packed
-    from workers.model.kv_cache import KVCacheShape, PagedKVCache
-    from workers.model.runner import ModelRunner
-
     heads, kv_heads, head_dim, block_size, context, new = 6, 2, 16, 4, 21, 4
     cache = PagedKVCache(KVCacheShape(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, dtype=torch.float32),
                          num_blocks=16, block_size=block_size, device=torch.device("cpu"))
