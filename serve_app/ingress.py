@@ -3,7 +3,8 @@
 It holds no model. Every generating route is a row of the dialect table
 (serve_app/dialects/table.py): `/v1/chat/completions` (dialects/chat/),
 `/lm/v2/chat/completions` (dialects/lm_v2.py), `/v1/completions` (dialects/completions.py),
-`/v1/responses` (dialects/responses/, a chat request underneath). One path, `_generate`,
+`/v1/responses` (dialects/responses/) and `/v1/messages` (dialects/messages/, Anthropic's
+errors), each a chat request underneath. One path, `_generate`,
 serves them all, each step the same way for every dialect (serve_app/schema/dialect.py
 says what a row supplies): the API keys (serve_app/http/auth.py); the body, validated by
 the dialect's request model (every rule of the dialect at parse time); `model` resolved,
@@ -16,8 +17,9 @@ answered by the dialect's streamer or accumulator. The handle API (handle_api.py
 the same path with the chat row. `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`
 change which adapters are served.
 
-`/tokenize` and `/detokenize` (dialects/tokenization.py, vLLM's) generate nothing: the
-model's worker answers them with its tokenizer (workers/serving/tokenization.py).
+`/tokenize` and `/detokenize` (dialects/tokenization.py, vLLM's) and Anthropic's
+`/v1/messages/count_tokens` generate nothing: the model's worker answers them with its
+tokenizer (workers/serving/tokenization.py).
 """
 
 
@@ -41,6 +43,13 @@ from starlette.responses import (
 
 from serve_app.config.app_config import AppConfig
 from serve_app.dialects import tokenization
+from serve_app.dialects.messages.request import CountTokensRequest
+from serve_app.dialects.messages.response import TokenCount
+from serve_app.dialects.messages.route import (
+    COUNT_TOKENS_PATH,
+    MESSAGES,
+    count_tokens_fields,
+)
 from serve_app.dialects.responses.route import RESPONSES
 from serve_app.dialects.table import DIALECTS
 from serve_app.handle_api import HandleAPI
@@ -88,19 +97,34 @@ logger = logging.getLogger("chatserve.ingress")
 api = FastAPI(title="chatserve", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
 
 
+# Routes whose errors have their dialect's own shape (Anthropic's); the others have OpenAI's.
+_ERROR_RESPONSES = {d.path: d.error_response for d in DIALECTS if d.error_response is not None}
+_ERROR_RESPONSES[COUNT_TOKENS_PATH] = MESSAGES.error_response
+
+
+def _route_path(request: Request) -> str:
+    """The matched route's path (without the app's route prefix), else the URL's."""
+    return getattr(request.scope.get("route"), "path", None) or request.url.path
+
+
+def _error_response(request: Request, exc: APIError) -> Response:
+    shape = _ERROR_RESPONSES.get(_route_path(request))
+    return exc.response() if shape is None else shape(exc)
+
+
 @api.exception_handler(APIError)
-async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+async def _api_error(request: Request, exc: APIError) -> Response:
     if (record := current_record()) is not None:
         record.fail(exc.status, exc.type, exc.message)
-    return exc.response()
+    return _error_response(request, exc)
 
 
 @api.exception_handler(Exception)
-async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+async def _unexpected(request: Request, exc: Exception) -> Response:
     logger.exception("unhandled error")
     if (record := current_record()) is not None:
         record.fail(500, "internal_error", type(exc).__name__)
-    return APIError(500, f"internal error: {type(exc).__name__}", type="internal_error").response()
+    return _error_response(request, APIError(500, f"internal error: {type(exc).__name__}", type="internal_error"))
 
 
 @dataclass(frozen=True)
@@ -184,7 +208,7 @@ class ChatIngress(HandleAPI):
     @api.get("/metrics")
     async def prometheus_metrics(self, request: Request) -> Response:
         """Prometheus text format; worker gauges are read now, from one replica per model."""
-        self.auth.check(request.headers.get("authorization"))
+        self.auth.check(request.headers)
         await self.metrics.refresh_worker_gauges({m: h.stats.remote() for m, h in self.workers.items()})
         await self.metrics.refresh_prefill_gauges({m: p.stats.remote() for m, p in self.prefill_workers.items()})
         self.metrics.count_resumes({m: t.resumes for m, t in self.transports.items()})
@@ -192,7 +216,7 @@ class ChatIngress(HandleAPI):
 
     @api.get("/v1/models")
     async def list_models(self, request: Request) -> Response:
-        self.auth.check(request.headers.get("authorization"))
+        self.auth.check(request.headers)
         cards = [await self._model_card(Target(model_id)) for model_id in self.workers]
         for adapter in await self.adapters.registered():
             cards.append(await self._model_card(Target(adapter.base_model, adapter.request)))
@@ -202,7 +226,7 @@ class ChatIngress(HandleAPI):
     @api.get("/v1/models/{model:path}")
     async def retrieve_model(self, model: str, request: Request) -> Response:
         """One entry of /v1/models: a served model or a LoRA adapter of one; 404 otherwise."""
-        self.auth.check(request.headers.get("authorization"))
+        self.auth.check(request.headers)
         card = await self._model_card(await self.adapters.resolve(model))
         return Response(card.dump_json(), media_type="application/json")
 
@@ -243,6 +267,20 @@ class ChatIngress(HandleAPI):
             raise APIError.from_info(result)
         return Response(tokenization.tokenize_response(result).dump_json(), media_type="application/json")
 
+    @api.post(COUNT_TOKENS_PATH)
+    async def count_tokens(self, request: Request) -> Response:
+        """Anthropic's route: the prompt tokens a Messages request would take (system, messages
+        and tools, as generation templates them), counted by the model's tokenizer."""
+        req = await self._parse_admin(request, CountTokensRequest)
+        target = await self._target(req.model)
+        with MESSAGES.errors():
+            body = parse_request(tokenization.TokenizeBody, count_tokens_fields(req))
+            worker_req = tokenization.to_tokenize_request(body, self.config.model(target.base_model))
+        result = await self.workers[target.base_model].tokenize.remote(worker_req)
+        if isinstance(result, ErrorInfo):
+            raise APIError.from_info(result, MESSAGES.param_names)
+        return Response(TokenCount(input_tokens=len(result.tokens)).dump_json(), media_type="application/json")
+
     @api.post("/detokenize")
     async def detokenize(self, request: Request) -> Response:
         """vLLM's route: token ids -> text, by the model's worker."""
@@ -257,16 +295,15 @@ class ChatIngress(HandleAPI):
     @api.get("/v1/responses/{response_id}")
     async def get_response(self, response_id: str, request: Request) -> Response:
         """A response stored by this ingress replica (`store: true`), else 404."""
-        self.auth.check(request.headers.get("authorization"))
+        self.auth.check(request.headers)
         entry = self.dialect_states[RESPONSES.path].get(response_id, param=None)
         return Response(entry.body, media_type="application/json")
 
     async def _parse(self, request: Request, model_cls: type) -> Any:
         """API key, then body size, JSON and fields: the request model or an APIError.
         Starts the request's metrics record (finished by _generate or the error handlers)."""
-        route = getattr(request.scope.get("route"), "path", None) or request.url.path
-        record = self.metrics.begin(route)
-        self.auth.check(request.headers.get("authorization"))
+        record = self.metrics.begin(_route_path(request))
+        self.auth.check(request.headers)
         data = await read_json_body(request, self.config.server.max_request_bytes)
         req = parse_request(model_cls, data)
         record.set_request(req)
@@ -284,7 +321,7 @@ class ChatIngress(HandleAPI):
     async def _parse_admin(self, request: Request, model_cls: type) -> Any:
         """API key, then the body: the adapter and tokenizer routes' request model or an
         APIError (no metrics record: they generate nothing)."""
-        self.auth.check(request.headers.get("authorization"))
+        self.auth.check(request.headers)
         data = await read_json_body(request, self.config.server.max_request_bytes)
         return parse_request(model_cls, data)
 

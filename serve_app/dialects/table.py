@@ -6,6 +6,7 @@ from __future__ import annotations
 from serve_app.dialects.chat.route import CHAT
 from serve_app.dialects.completions import COMPLETIONS
 from serve_app.dialects.lm_v2 import LM_V2
+from serve_app.dialects.messages.route import MESSAGES
 from serve_app.dialects.responses.route import RESPONSES
 from serve_app.schema.dialect import Dialect
 
@@ -14,4 +15,5 @@ DIALECTS: tuple[Dialect, ...] = (
     LM_V2,  # /lm/v2/chat/completions
     COMPLETIONS,  # /v1/completions
     RESPONSES,  # /v1/responses
+    MESSAGES,  # /v1/messages (Anthropic's)
 )

@@ -1,4 +1,5 @@
-"""Bearer API keys: every route but `GET /health` needs `Authorization: Bearer <key>`.
+"""API keys: every route but `GET /health` needs `Authorization: Bearer <key>` or, as
+Anthropic's clients send it, `x-api-key: <key>`.
 
 Where keys come from (`server` options, see serve_app/config/app_config.py):
 - `api_keys_env`: the *name* of an environment variable holding comma-separated keys;
@@ -89,7 +90,7 @@ def bearer_token(authorization: str | None) -> str | None:
 
 
 class APIKeyAuth:
-    """Checks the Authorization header of a request against the configured keys."""
+    """Checks the key a request presents against the configured keys."""
 
     def __init__(self, keys: Iterable[str] = ()) -> None:
         self._digests: tuple[bytes, ...] = tuple(dict.fromkeys(_digest(k) for k in keys))
@@ -114,12 +115,14 @@ class APIKeyAuth:
             found |= hmac.compare_digest(digest, presented)
         return found
 
-    def check(self, authorization: str | None) -> None:
-        """Return if the request may pass; raise a 401 APIError otherwise."""
+    def check(self, headers: Mapping[str, str]) -> None:
+        """Return if the request may pass; raise a 401 APIError otherwise. The key comes in
+        `Authorization: Bearer <key>` (OpenAI's clients) or `x-api-key` (Anthropic's)."""
         if not self._digests:
             return
-        token = bearer_token(authorization)
+        token = bearer_token(headers.get("authorization")) or headers.get("x-api-key") or None
         if token is None:
-            raise unauthorized("Missing API key: send the header `Authorization: Bearer <your API key>`.")
+            raise unauthorized("Missing API key: send the header `Authorization: Bearer <your API key>` "
+                               "(or `x-api-key: <your API key>`).")
         if not self.matches(token):
             raise unauthorized("Incorrect API key provided.")

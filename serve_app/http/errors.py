@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from pydantic import ValidationError
@@ -45,8 +46,10 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return _ASCIIJSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, body: dict | None = None) -> JSONResponse:
+        """The error as a JSON response: OpenAI's shape, or `body` (a dialect's own shape)."""
+        return _ASCIIJSONResponse(self.body() if body is None else body, status_code=self.status,
+                                  headers=self.headers)
 
     @classmethod
     def from_info(cls, info: ErrorInfo, param_names: Mapping[str, str] | None = None) -> "APIError":
@@ -110,3 +113,17 @@ def not_found_model(model: str, served: list[str]) -> APIError:
     return APIError(
         404, f"The model `{model}` does not exist. Served models: {served}", param="model", code="model_not_found"
     )
+
+
+@contextmanager
+def params_renamed(rename: Callable[[str], str]) -> Iterator[None]:
+    """Errors raised inside name their field by `rename`: a dialect translated into the chat
+    request (Responses, Messages) names its own fields, not the chat request's."""
+    try:
+        yield
+    except APIError as exc:
+        if exc.param is not None and (param := rename(exc.param)) != exc.param:
+            old = exc.param
+            exc.message = f"{param}{exc.message[len(old):]}" if exc.message.startswith(old) else exc.message
+            exc.param = param
+        raise

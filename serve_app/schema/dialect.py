@@ -20,7 +20,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 if TYPE_CHECKING:
+    from starlette.responses import Response
+
     from serve_app.config.app_config import ServerOptions
+    from serve_app.http.errors import APIError
     from serve_app.transport.worker_call import Accumulator, Streamer
     from workers.contract.model_config import ModelConfig
     from workers.contract.requests import GenerateRequest
@@ -65,3 +68,5 @@ class Dialect(Generic[Req, Plan]):
     # translated on its own; their chunks merge into one stream (choice i of part p is
     # choice p * n + i), which `output`, made from the whole plan, answers.
     split: Callable[[Plan], list[Plan]] | None = None
+    # The route's errors as a response in the dialect's own shape (Anthropic's); None: OpenAI's.
+    error_response: Callable[[APIError], Response] | None = None

@@ -65,6 +65,15 @@ class StructuredOutputFields(BaseModel):
         return asked[0] if asked else None
 
 
+    def structured_fields(self) -> dict[str, Any]:
+        """The fields as sent, for a chat request made from another dialect's (Responses,
+        Messages), whose rules then apply: one constraint, none beside a JSON format or a forced call."""
+        fields = {name: getattr(self, name) for name in ("structured_outputs", *LEGACY_FIELDS)}
+        if fields["structured_outputs"] is not None:
+            fields["structured_outputs"] = fields["structured_outputs"].model_dump(by_alias=True, exclude_none=True)
+        return {name: value for name, value in fields.items() if value is not None}
+
+
 def structured_guided(fields: StructuredOutputFields) -> GuidedDecoding | None:
     """The engine constraint of the request's structured-output fields, checked."""
     asked = fields.structured_output()

@@ -37,7 +37,7 @@ def test_no_source_means_auth_off():
     assert read_api_keys(ServerOptions(), environ={ENV_NAME: ENV_KEY}) == []
     auth = APIKeyAuth.from_options(ServerOptions(), environ={})
     assert not auth.enabled
-    auth.check(None)  # passes
+    auth.check({})  # passes
 
 
 def test_keys_from_env_and_file(tmp_path):
@@ -97,9 +97,10 @@ def test_bearer_token(header, token):
     assert bearer_token(header) == token
 
 
-def _status(auth: APIKeyAuth, header: str | None) -> int:
+def _status(auth: APIKeyAuth, header: str | None, x_api_key: str | None = None) -> int:
+    headers = {name: value for name, value in (("authorization", header), ("x-api-key", x_api_key)) if value}
     try:
-        auth.check(header)
+        auth.check(headers)
     except APIError as exc:
         assert exc.status == 401
         assert exc.code == "invalid_api_key" and exc.type == "invalid_request_error"
@@ -126,6 +127,13 @@ def test_check(presented, status):
     auth = APIKeyAuth([ENV_KEY, OTHER_ENV_KEY])
     assert auth.enabled
     assert _status(auth, f"Bearer {presented}") == status
+
+
+def test_x_api_key_as_anthropic_clients_send_it():
+    auth = APIKeyAuth([ENV_KEY])
+    assert _status(auth, None, ENV_KEY) == 200
+    assert _status(auth, None, ENV_KEY + "x") == 401
+    assert _status(auth, f"Bearer {ENV_KEY}x", ENV_KEY) == 401  # a wrong Bearer key is not rescued
 
 
 def test_missing_header_is_401():

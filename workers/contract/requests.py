@@ -53,6 +53,10 @@ class GenerateRequest:
     prompt_token_ids: tuple[int, ...] | None = None  # a completion prompt already tokenized, fed as is
     max_tokens: int | None = None  # None: the model's default_max_tokens, within the context window
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # The template's ending (chat only, vLLM's names): the assistant's turn opened, or the
+    # last (assistant) message left open for the answer to continue.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     images: tuple[ImageData, ...] = ()
     tools: list[dict[str, Any]] | None = None  # OpenAI tool objects the model may call
     tool_prompt: ToolPrompt | None = None  # used when the chat template ignores tools

@@ -47,7 +47,7 @@ class PromptBuilder:
             text = None
             ids = self.tokenizer(request.prompt, add_special_tokens=True)["input_ids"]
         else:
-            text = self.chat_text(request)
+            text = self.chat_text(request, request.add_generation_prompt, request.continue_final_message)
             # The template already wrote BOS and friends; do not add them twice.
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if not ids:

@@ -60,8 +60,9 @@ class VisionPromptBuilder:
         images = [decode_image(image, self.max_image_pixels) for image in ordered]
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, chat_template=self.template, tokenize=False, add_generation_prompt=True,
-                **request.chat_template_kwargs,
+                messages, chat_template=self.template, tokenize=False,
+                add_generation_prompt=request.add_generation_prompt,
+                **_ending_kwargs(request), **request.chat_template_kwargs,
             )
             out = self.processor(text=text, images=images or None, return_tensors="pt", add_special_tokens=False)
         except Exception as exc:  # jinja or the processor reject the conversation (e.g. placeholder count)
@@ -107,3 +108,8 @@ def _salt(images: list[ImageData]) -> bytes:
         digest.update(len(image.data).to_bytes(8, "little"))
         digest.update(image.data)
     return digest.digest()
+
+
+def _ending_kwargs(request: GenerateRequest) -> dict[str, Any]:
+    """`continue_final_message` only when asked (as workers/text/prompts.py passes it)."""
+    return {"continue_final_message": True} if request.continue_final_message else {}

@@ -81,13 +81,26 @@ class ChatCompletionRequest(SamplingFields, ChatPrompt):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the template's ending. continue_final_message leaves the last (assistant)
+    # message open, and the answer continues it (needs add_generation_prompt false).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without
     parallel_tool_calls: bool | None = None  # None: true
 
     def broken_rule(self) -> APIError | None:
-        return self._tool_error() or self._choices_error() or super().broken_rule()
+        return self._tool_error() or self._choices_error() or self._ending_error() or super().broken_rule()
+
+    def _ending_error(self) -> APIError | None:
+        if self.continue_final_message and self.add_generation_prompt:
+            return field_error("continue_final_message", "continue_final_message needs add_generation_prompt to "
+                               "be false")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            return field_error("continue_final_message", "continue_final_message needs the last message to be "
+                               "the assistant's")
+        return None
 
     def _tool_error(self) -> APIError | None:
         names = [t.function.name for t in self.tools or []]

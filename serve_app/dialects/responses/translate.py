@@ -16,8 +16,8 @@ as the chat messages a later turn continues from.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 from serve_app.dialects.chat.request import ChatCompletionRequest
@@ -36,9 +36,8 @@ from serve_app.dialects.responses.response import (
     MessageOutput,
     OutputItem,
 )
-from serve_app.http.errors import APIError
+from serve_app.http.errors import params_renamed
 from serve_app.http.request_body import parse_request
-from serve_app.schema.structured_outputs import LEGACY_FIELDS
 
 # The worker names the chat request's fields in its errors; these are the Responses names.
 WORKER_PARAM_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
@@ -70,7 +69,7 @@ def to_chat_request(req: ResponsesRequest, history: Sequence[dict[str, Any]] = (
         choice = req.tool_choice
         body["tool_choice"] = ({"type": "function", "function": {"name": choice.name}}
                                if isinstance(choice, FunctionToolChoice) else choice)
-    body.update(structured_fields(req))
+    body.update(req.structured_fields())
     forced = req.tool_choice == "required" or isinstance(req.tool_choice, FunctionToolChoice)
     if (fmt := response_format(req)) is not None and not forced:
         # A forced call leaves no text to format (agents send their output format on every
@@ -78,15 +77,6 @@ def to_chat_request(req: ResponsesRequest, history: Sequence[dict[str, Any]] = (
         body["response_format"] = fmt
     with responses_params():
         return parse_request(ChatCompletionRequest, body)
-
-
-def structured_fields(req: ResponsesRequest) -> dict[str, Any]:
-    """vLLM's structured-output fields as sent, for the chat request (whose rules apply:
-    one constraint, none beside a JSON `text.format` or a forced call)."""
-    fields = {name: getattr(req, name) for name in ("structured_outputs", *LEGACY_FIELDS)}
-    if fields["structured_outputs"] is not None:
-        fields["structured_outputs"] = fields["structured_outputs"].model_dump(by_alias=True, exclude_none=True)
-    return {name: value for name, value in fields.items() if value is not None}
 
 
 def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
@@ -153,11 +143,9 @@ _CHAT_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens
                 "response_format": "text.format"}
 
 
-def responses_param(param: str | None) -> str | None:
+def responses_param(param: str) -> str:
     """A chat request's field as the Responses field it came from (`tools.0.function.name`
     -> `tools.0.name`; a message index says nothing about `input`'s, so it is dropped)."""
-    if param is None:
-        return None
     head, _, rest = param.partition(".")
     if head == "tools" and ".function" in param:
         return param.replace(".function", "", 1)
@@ -167,15 +155,6 @@ def responses_param(param: str | None) -> str | None:
     return param
 
 
-@contextmanager
-def responses_params() -> Iterator[None]:
+def responses_params() -> AbstractContextManager[None]:
     """Errors raised by the chat path (validation, grammars, images) name Responses fields."""
-    try:
-        yield
-    except APIError as exc:
-        param = responses_param(exc.param)
-        if param != exc.param and exc.param is not None:
-            old = exc.param
-            exc.message = f"{param}{exc.message[len(old):]}" if exc.message.startswith(old) else exc.message
-            exc.param = param
-        raise
+    return params_renamed(responses_param)

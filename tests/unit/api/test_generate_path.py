@@ -17,6 +17,7 @@ from serve_app.config.app_config import AppConfig
 from serve_app.dialects.chat.route import CHAT
 from serve_app.dialects.completions import COMPLETIONS
 from serve_app.dialects.lm_v2 import LM_V2
+from serve_app.dialects.messages.route import MESSAGES
 from serve_app.dialects.responses.route import RESPONSES
 from serve_app.dialects.table import DIALECTS
 from serve_app.http.errors import APIError
@@ -40,6 +41,7 @@ BODIES: dict[str, dict[str, Any]] = {
     LM_V2.path: {"messages": [{"role": "user", "content": "Hi"}]},
     COMPLETIONS.path: {"prompt": "Once"},
     RESPONSES.path: {"input": "Hi"},
+    MESSAGES.path: {"max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]},
 }
 
 
@@ -72,7 +74,7 @@ def prepare(dialect: Dialect, model: str = "base", stream: bool = False, **field
 
 
 def test_every_route_of_the_table_is_a_dialect_row():
-    assert [d.path for d in DIALECTS] == [CHAT.path, LM_V2.path, COMPLETIONS.path, RESPONSES.path]
+    assert [d.path for d in DIALECTS] == [CHAT.path, LM_V2.path, COMPLETIONS.path, RESPONSES.path, MESSAGES.path]
     assert set(BODIES) == {d.path for d in DIALECTS}
 
 
