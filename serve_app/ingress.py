@@ -17,7 +17,9 @@ answered by the dialect's streamer or accumulator. The handle API (handle_api.py
 the same path with the chat row. `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`
 change which adapters are served.
 
-`/tokenize` and `/detokenize` (dialects/tokenization.py, vLLM's) and Anthropic's
+`/v1/embeddings` (dialects/embeddings.py) asks the model's worker for pooled vectors,
+which its engine computes beside generation. `/tokenize` and `/detokenize`
+(dialects/tokenization.py, vLLM's) and Anthropic's
 `/v1/messages/count_tokens` generate nothing: the model's worker answers them with its
 tokenizer (workers/serving/tokenization.py).
 """
@@ -42,7 +44,7 @@ from starlette.responses import (
 )
 
 from serve_app.config.app_config import AppConfig
-from serve_app.dialects import tokenization
+from serve_app.dialects import embeddings, tokenization
 from serve_app.dialects.messages.request import CountTokensRequest
 from serve_app.dialects.messages.response import TokenCount
 from serve_app.dialects.messages.route import (
@@ -266,6 +268,26 @@ class ChatIngress(HandleAPI):
         if isinstance(result, ErrorInfo):
             raise APIError.from_info(result)
         return Response(tokenization.tokenize_response(result).dump_json(), media_type="application/json")
+
+    @api.post("/v1/embeddings")
+    async def embeddings(self, request: Request) -> Response:
+        """OpenAI's route (serve_app/dialects/embeddings.py): each input's vector, pooled by
+        the model's worker from its final hidden states in the engine's batches."""
+        req = await self._parse(request, embeddings.EmbeddingsRequest)
+        target = await self._target(req.model)
+        if target.lora is not None:
+            raise APIError(400, "model: embeddings are served by base models, not LoRA adapters", param="model")
+        record = current_record() or self.metrics.begin("")
+        try:
+            result = await self.workers[target.base_model].embed.remote(embeddings.to_embed_request(req))
+        except asyncio.CancelledError:
+            record.finish(STATUS_CLIENT_GONE)
+            raise
+        if isinstance(result, ErrorInfo):
+            raise APIError.from_info(result)
+        record.prompt_tokens = result.prompt_tokens
+        record.finish(200)
+        return Response(embeddings.embeddings_response(req, result).dump_json(), media_type="application/json")
 
     @api.post(COUNT_TOKENS_PATH)
     async def count_tokens(self, request: Request) -> Response:

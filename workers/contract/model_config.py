@@ -317,6 +317,19 @@ def check_adapter_name(name: str) -> None:
         raise ValueError(f"adapter name {name!r} must be 1-128 characters of letters, digits and ._:/@+-")
 
 
+class PoolerConfig(BaseModel):
+    """How `/v1/embeddings` makes one vector of a prompt (vLLM's `pooler_config` names)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    pooling_type: Literal["LAST", "MEAN"] = Field(
+        "LAST", description="LAST: the last prompt token's final hidden state (what decoder-only embedding models "
+        "train); MEAN: the mean over every prompt token (which then skips the prefix cache)")
+    normalize: bool = Field(True, description="scale each vector to unit length")
+    is_matryoshka: bool = Field(
+        False, description="the model was trained so that a vector's first values are an embedding too: requests "
+        "may ask for fewer `dimensions` (else such a request is a 400)")
+
+
 class ModelConfig(_Strict):
     id: str = Field(min_length=1, description="the name clients pass as `model`")
     source: str = Field(
@@ -371,6 +384,8 @@ class ModelConfig(_Strict):
         "of the window")
     reasoning_parser: Literal["deepseek_r1"] | None = Field(
         None, description="split `<think>...</think>` into reasoning_content on /v1 (serve_app/output/reasoning.py)")
+    pooler_config: PoolerConfig = Field(
+        PoolerConfig(), description="/v1/embeddings: how the model's final hidden states pool into one vector")
     lora: LoraConfig | None = Field(
         None, description="LoRA adapters served on this model, each by its own name; unset: none (no LoRA code "
         "on the model's path)")

@@ -21,6 +21,16 @@ class GuidedDecoding:
 
 
 @dataclass(frozen=True)
+class Pooling:
+    """An embedding request: nothing is sampled; the final (normed) hidden states of the
+    prompt pool into one vector (workers/engine/pooling.py): the last token's, or the mean
+    of every token's; `normalize`: to unit length."""
+
+    kind: Literal["last", "mean"] = "last"
+    normalize: bool = True
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Validated per-request generation settings (validation happens at the API edge).
 
@@ -58,6 +68,7 @@ class SamplingParams:
     # Scheduling, not sampling: with the engine's `priority` policy, lower values are admitted
     # first and preempted last (vLLM's meaning); it rides here to reach every choice's Sequence.
     priority: int = 0
+    pooling: Pooling | None = None  # an embedding request (no output tokens)
 
     @property
     def beam_width(self) -> int:

@@ -49,6 +49,18 @@ class PromptLogitRows:
     count: int
 
 
+@dataclass(frozen=True)
+class PoolRows:
+    """The last `count` rows of one chunk of an embedding sequence, whose final hidden
+    states pool into its vector; `final`: the chunk ends the prompt (the vector is whole);
+    `restart`: the chunk starts the prompt (a preempted sequence computes it again)."""
+
+    seq: Sequence
+    count: int
+    final: bool
+    restart: bool = False
+
+
 @dataclass
 class ScheduledBatch:
     decodes: list[ScheduledChunk] = field(default_factory=list)
@@ -61,8 +73,10 @@ class ScheduledBatch:
         return not self.decodes and not self.prefills
 
     def add(self, chunk: ScheduledChunk) -> None:
-        # A decode is one query token that samples; everything else is a prefill span.
-        if chunk.num_tokens == 1 and chunk.samples:
+        # A decode is one query token that samples; everything else is a prefill span (an
+        # embedding's last prompt token too: it pools, never samples, so the decode-only
+        # paths (CUDA graphs, async scheduling) never see it).
+        if chunk.num_tokens == 1 and chunk.samples and chunk.seq.params.pooling is None:
             self.decodes.append(chunk)
         else:
             self.prefills.append(chunk)

@@ -33,6 +33,7 @@ class TokenEvent:
     error_is_grammar: bool = False  # ... because its output constraint reached a dead end
     queue_time: float | None = None  # seconds waiting before the first step; on the first event
     cached_tokens: int | None = None  # prompt tokens found in the prefix cache; on the first event
+    embedding: list[float] | None = None  # an embedding request's vector (its one event; token_id is -1)
 
 
 def token_events(results: list[StepResult], logprobs: dict[int, tuple[float, TopList]],

@@ -227,5 +227,8 @@ class BlockManager:
 
 def _needs_every_prompt_logit(seq: Sequence) -> bool:
     """A request asking prompt_logprobs must compute every prompt position (as vLLM skips
-    the cache for it); after preemption its prompt is already scored."""
-    return seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0
+    the cache for it); after preemption its prompt is already scored. A mean-pooled
+    embedding needs every position's hidden state likewise."""
+    pooling = seq.params.pooling
+    return (seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0
+            or pooling is not None and pooling.kind == "mean")

@@ -41,6 +41,7 @@ from workers.engine.model_setup import (
     kv_pool,
     model_runner,
 )
+from workers.engine.pooling import Pooler, embedding_events
 from workers.engine.resume import (
     OutputRules,
     ResumedChoice,
@@ -100,6 +101,7 @@ class LLMEngine:
         self.runner = model_runner(model, self.kv_cache, device, path, limits, self.vocab_size, self.lora,
                                    shard_group, stage)
         self.sampler = Sampler()
+        self.pooler = Pooler()  # embedding requests' vectors, built over their prompt's chunks
         self.guided = guided_decoder(tokenizer, self.vocab_size, eos_token_ids)
         self._ids = itertools.count()
         self._requests = RequestTable()
@@ -225,6 +227,7 @@ class LLMEngine:
     def abort_request(self, request_id: int) -> None:
         seqs = self._requests.pop(request_id)
         self.beams.forget(request_id, seqs)
+        self.pooler.forget(seqs)
         for seq in seqs:
             self.scheduler.abort(seq)
 
@@ -298,14 +301,18 @@ class LLMEngine:
             self.overlap.start(batch)
             return []  # its tokens come out of the next step() call
         self._copy_blocks(batch.block_copies)
-        logits, prompt_rows = self.runner.forward(batch.decodes, batch.prefills)
+        logits, prompt_rows, pooled = self.runner.forward(batch.decodes, batch.prefills)
         logits = logits[:, : self.vocab_size]
         chunks = batch.sampling_chunks
         self.scheduler.advance(batch)
         score_prompts(logits[len(chunks) :], prompt_rows)
+        # Embedding requests end with their prompt: a vector, no sampled token.
+        events = embedding_events(self.pooler.add(pooled), self.scheduler, self._requests) if pooled else []
         beam_rows = [i for i, c in enumerate(chunks) if c.seq.params.use_beam_search]
-        events = self.beams.step([chunks[i].seq for i in beam_rows], logits[beam_rows]) if beam_rows else []
-        sampling_rows = [i for i, c in enumerate(chunks) if not c.seq.params.use_beam_search]
+        if beam_rows:
+            events += self.beams.step([chunks[i].seq for i in beam_rows], logits[beam_rows])
+        sampling_rows = [i for i, c in enumerate(chunks)
+                         if not c.seq.params.use_beam_search and c.seq.params.pooling is None]
         seqs = [chunks[i].seq for i in sampling_rows]
         drafted = batch.drafted
         if drafted:  # their first rows follow the prompt-logprob rows
@@ -371,7 +378,7 @@ class LLMEngine:
     def _launch_decodes(self, batch: ScheduledBatch, token_ids: torch.Tensor | None) -> torch.Tensor:
         """Async scheduling's device half: a decode-only step, sampled on the device."""
         self._copy_blocks(batch.block_copies)
-        logits, _ = self.runner.forward(batch.decodes, [], decode_token_ids=token_ids)
+        logits, _, _ = self.runner.forward(batch.decodes, [], decode_token_ids=token_ids)
         seqs = [c.seq for c in batch.decodes]
         # Fed from the device, each sequence's previous token is sampled but not appended yet.
         pending = 0 if token_ids is None else 1

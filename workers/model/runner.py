@@ -15,12 +15,14 @@ by the sequences' precomputed image features. Every other step feeds `input_ids`
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
 
 from workers.core.adapter_slots import AdapterSlots, NoAdapters
-from workers.core.batch import PromptLogitRows, ScheduledChunk
+from workers.core.batch import PoolRows, PromptLogitRows, ScheduledChunk
 from workers.core.images import ImageFeatures, ImageInputs
 from workers.model.attention import AttentionMetadata, PrefillSpan
 from workers.model.kv_cache import PagedKVCache
@@ -31,6 +33,7 @@ from workers.model.step_inputs import (
     decode_block_tables,
     decode_rows,
     feeds_images,
+    pool_rows,
     prompt_logprob_rows,
 )
 
@@ -64,16 +67,17 @@ class ModelRunner:
     def forward(
         self, decodes: list[ScheduledChunk], prefills: list[ScheduledChunk],
         decode_token_ids: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, list[PromptLogitRows]]:
+    ) -> tuple[torch.Tensor, list[PromptLogitRows], list[tuple[PoolRows, torch.Tensor]]]:
         """Run one step. Returns float32 logits: first one row per sampling chunk (decodes
         first), then the prompt-logprob rows described by the returned list, then each
         verification chunk's rows for its last token and all but its last proposal. The logits
-        may be a view of a CUDA graph's output buffer: valid until the next step.
+        may be a view of a CUDA graph's output buffer: valid until the next step. Last, the
+        embedding sequences' rows and their final hidden states [count, hidden] in float32.
         `decode_token_ids` [D] (on the device): the decode rows' input tokens when they are
         not on the host yet (async scheduling: the previous step's samples)."""
         graphs = self.decode_graphs
         if graphs is not None and not prefills and graphs.fits(len(decodes)) and not feeds_images(decodes):
-            return graphs.run(decodes, decode_token_ids), []
+            return graphs.run(decodes, decode_token_ids), [], []
         order = self.lora.decode_order(decodes)
         if order is not None:
             decodes = [decodes[i] for i in order]
@@ -81,23 +85,31 @@ class ModelRunner:
                 decode_token_ids = decode_token_ids[torch.tensor(order, device=decode_token_ids.device)]
         inputs = self.prepare(decodes, prefills, decode_token_ids)
         with self.lora.step(decodes, prefills):
-            logits = self._logits(inputs)
+            logits, hidden = self._logits(inputs)
         if order is not None:
             logits[: len(order)] = logits[: len(order)][_inverse(order, logits.device)]
-        return logits, inputs.prompt_rows
+        return logits, inputs.prompt_rows, _split_pooled(inputs.pool_rows, hidden)
 
-    def _logits(self, inputs: ModelInputs) -> torch.Tensor:
-        """The kept rows' logits [K, vocab] in float32, by the direct forward where it runs."""
-        if self.direct is not None and inputs.image_embeds is None:
-            logits = self.direct(inputs.input_ids, inputs.position_ids, inputs.attn_metadata, inputs.logits_indices)
-            return logits[0].float()
+    def _logits(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The kept rows' logits [K, vocab] in float32, by the direct forward where it runs,
+        and the final hidden states of the pooled rows [P, hidden] (None without any)."""
+        pool = inputs.pool_indices
+        direct = self.direct
+        if direct is not None and inputs.image_embeds is None:
+            if pool is None:
+                return direct(inputs.input_ids, inputs.position_ids, inputs.attn_metadata,
+                              inputs.logits_indices)[0].float(), None
+            x = direct.run_layers(direct.embed_ids(inputs.input_ids), inputs.position_ids, inputs.attn_metadata)
+            return direct.head(x, inputs.logits_indices)[0].float(), direct.final_norm(x[pool]).float()
         if inputs.image_embeds is None:
             feed = {"input_ids": inputs.input_ids}
         else:
             feed = {"inputs_embeds": self._embeds_with_images(inputs)}
-        out = self.model(**feed, position_ids=inputs.position_ids, attn_metadata=inputs.attn_metadata,
-                         logits_to_keep=inputs.logits_indices, use_cache=False)
-        return out.logits[0].float()
+        with final_hidden_states(self.model, capture=pool is not None) as captured:
+            out = self.model(**feed, position_ids=inputs.position_ids, attn_metadata=inputs.attn_metadata,
+                             logits_to_keep=inputs.logits_indices, use_cache=False)
+        hidden = captured[0][0, pool].float() if pool is not None else None
+        return out.logits[0].float(), hidden
 
     def encode_images(self, images: ImageInputs) -> ImageFeatures:
         return encode_images(self.model, images, self.device)
@@ -125,6 +137,8 @@ class ModelRunner:
         prompt_rows: list[PromptLogitRows] = []
         spans: list[PrefillSpan] = []
         draft_indices: list[int] = []  # speculative decoding: rows that check a chunk's proposals
+        pools: list[PoolRows] = []  # embedding sequences' rows
+        pool_indices: list[int] = []
         offset = len(decodes)
         for chunk in prefills:
             seq, n = chunk.seq, chunk.num_tokens
@@ -141,6 +155,10 @@ class ModelRunner:
             if rows is not None:
                 prompt_rows.append(rows)
                 prompt_indices.extend(range(offset + rows.first_position - start, offset + rows.first_position - start + rows.count))
+            pooled = pool_rows(chunk)
+            if pooled is not None:
+                pools.append(pooled)
+                pool_indices.extend(range(offset + n - pooled.count, offset + n))
             offset += n
             if chunk.samples:
                 logits_indices.append(offset - 1)
@@ -166,6 +184,8 @@ class ModelRunner:
                                         device=device),
             attn_metadata=metadata,
             prompt_rows=prompt_rows,
+            pool_rows=pools,
+            pool_indices=torch.tensor(pool_indices, dtype=torch.long, device=device) if pools else None,
             **images.tensors(device),
         )
 
@@ -197,6 +217,32 @@ class ModelRunner:
         width = tables.shape[1] * self.block_size
         mask = torch.arange(width).unsqueeze(0) < lens.unsqueeze(1)
         meta.decode_mask = mask.view(len(decodes), 1, 1, width).to(self.device)
+
+
+def _split_pooled(rows: list[PoolRows], hidden: torch.Tensor | None) -> list[tuple[PoolRows, torch.Tensor]]:
+    """Each embedding chunk's rows of the pooled hidden states."""
+    if hidden is None:
+        return []
+    return list(zip(rows, hidden.split([r.count for r in rows])))
+
+
+@contextmanager
+def final_hidden_states(model: torch.nn.Module, capture: bool) -> Iterator[list[torch.Tensor]]:
+    """While a transformers forward runs, the output of its decoder's final norm (the hidden
+    states the LM head reads, [1, T, hidden]) lands in the yielded list; `capture` False:
+    nothing is hooked."""
+    captured: list[torch.Tensor] = []
+    if not capture:
+        yield captured
+        return
+    norm = getattr(model.get_decoder(), "norm", None)
+    if norm is None:
+        raise ValueError(f"{type(model).__name__} has no final norm to read embeddings from")
+    handle = norm.register_forward_hook(lambda _module, _args, output: captured.append(output))
+    try:
+        yield captured
+    finally:
+        handle.remove()
 
 
 def _inverse(order: list[int], device: torch.device) -> torch.Tensor:

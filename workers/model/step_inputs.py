@@ -4,11 +4,11 @@ runner and CUDA graphs both build from these."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from workers.core.batch import PromptLogitRows, ScheduledChunk
+from workers.core.batch import PoolRows, PromptLogitRows, ScheduledChunk
 from workers.core.sequence import Sequence
 from workers.model.attention import AttentionMetadata
 
@@ -20,6 +20,8 @@ class ModelInputs:
     logits_indices: torch.Tensor  # [S + prompt rows]
     attn_metadata: AttentionMetadata
     prompt_rows: list[PromptLogitRows]
+    pool_rows: list[PoolRows] = field(default_factory=list)  # embedding sequences' rows
+    pool_indices: torch.Tensor | None = None  # [P] their packed positions, in pool_rows' order
     image_indices: torch.Tensor | None = None  # [I] packed positions fed by image features
     image_embeds: torch.Tensor | None = None  # [I, hidden]
 
@@ -86,3 +88,15 @@ def prompt_logprob_rows(seq: Sequence, start: int, n: int) -> PromptLogitRows | 
         return None  # not asked, or a recompute after preemption (already scored)
     end = min(start + n, seq.num_prompt_tokens - 1)
     return PromptLogitRows(seq, start, end - start) if end > start else None
+
+
+def pool_rows(chunk: ScheduledChunk) -> PoolRows | None:
+    """The rows of a chunk whose hidden states pool into an embedding: every row (mean), or
+    the prompt's last (last token), else None (not an embedding request)."""
+    pooling = chunk.seq.params.pooling
+    if pooling is None:
+        return None
+    restart = chunk.seq.num_computed_tokens == 0
+    if pooling.kind == "mean":
+        return PoolRows(chunk.seq, chunk.num_tokens, chunk.samples, restart)
+    return PoolRows(chunk.seq, 1, True, restart) if chunk.samples else None

@@ -17,6 +17,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from workers.contract.chunks import ErrorInfo, GenerationChunk
+from workers.contract.embeddings import EmbedRequest, EmbedResult
 from workers.contract.engine_load import EngineLoad
 from workers.contract.kv_handoff import KVHandoff
 from workers.contract.model_config import ModelConfig
@@ -37,6 +38,7 @@ from workers.model.cpu_linear import PackedLinear
 from workers.model.fused_projections import FusedProjection
 from workers.serving.async_engine import AsyncEngine
 from workers.serving.channels import ChannelRegistry, until_closed
+from workers.serving.embeddings import Embeddings
 from workers.serving.engine_build import BuiltEngine, build_engine, vision_prompts
 from workers.serving.kv_handoffs import KVHandoffs
 from workers.serving.request_processor import RequestProcessor, Timeouts
@@ -115,6 +117,8 @@ class ModelWorker:
                                           default_max_tokens=self.config.default_max_tokens, handoffs=handoffs)
         self.tokenization = Tokenization(loaded.tokenizer, self.processor.prompts, self.processor.max_model_len,
                                          self.processor.vision)
+        self.embeddings = Embeddings(self.engine, loaded.tokenizer, self.config.pooler_config,
+                                     loaded.model.config.hidden_size, _embedding_refusal(self._shards, self.processor))
         self.channels = ChannelRegistry()
         self._requests_by_channel = self._requests_by_call = 0
         self.adapters = WorkerAdapters(self.engine, self.config.lora, multiplexed=True)
@@ -176,6 +180,10 @@ class ModelWorker:
     async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResult | ErrorInfo:
         """POST /detokenize (in a thread, as tokenize)."""
         return await asyncio.to_thread(self.tokenization.detokenize, request)
+
+    async def embed(self, request: EmbedRequest) -> EmbedResult | ErrorInfo:
+        """POST /v1/embeddings: the inputs' vectors, computed in the engine's batches."""
+        return await self.embeddings.embed(request)
 
     def info(self) -> ModelInfo:
         engine = self.engine.describe()
@@ -250,3 +258,13 @@ class ModelWorker:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.stop()
+
+
+def _embedding_refusal(shards, processor: RequestProcessor) -> str | None:
+    """Why a replica serves no embeddings: the pooled hidden states are read on one device
+    from a text model's decoder."""
+    if shards:
+        return "it is split over devices"
+    if processor.vision is not None:
+        return "it is a vision-language model"
+    return None

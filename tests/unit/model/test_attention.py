@@ -144,7 +144,7 @@ def test_paged_model_logits_match_dense_model(tiny_model, paged_model):
     mixed_steps = 0
     while sched.has_work():
         batch = sched.schedule()
-        logits, _ = runner.forward(batch.decodes, batch.prefills)
+        logits, _, _ = runner.forward(batch.decodes, batch.prefills)
         chunks = batch.sampling_chunks
         assert logits.shape == (len(chunks), vocab)
         mixed_steps += bool(batch.decodes and batch.prefills)

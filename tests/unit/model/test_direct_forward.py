@@ -86,9 +86,9 @@ def run(model, direct: bool, budget: int) -> tuple[list[list[tuple[int, float]]]
     logits: list[torch.Tensor] = []
 
     def recording(*args, **kwargs):
-        out, rows = forward(*args, **kwargs)
+        out, rows, pooled = forward(*args, **kwargs)
         logits.append(out.clone())
-        return out, rows
+        return out, rows, pooled
 
     engine.runner.forward = recording
     batch, max_tokens = prompts(), [12, 14, 9, 10]
