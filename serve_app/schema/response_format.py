@@ -5,6 +5,8 @@
 - `{"type": "json_object"}`: the content is one JSON object (any keys).
 - `{"type": "json_schema", "json_schema": {"name", "schema", "strict"?, "description"?}}`:
   the content is JSON that validates against `schema`, whatever `strict` says.
+- `{"type": "structural_tag", "structures": [...], "triggers": [...]}` (vLLM's): free text
+  whose tagged segments hold JSON of their schema (serve_app/schema/structural_tag.py).
 
 The schema is checked here with llguidance (no tokenizer needed), so a schema the
 engine cannot enforce is a 400 naming `response_format` before any worker sees it.
@@ -19,15 +21,24 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidato
 from pydantic_core import PydanticCustomError
 
 from serve_app.http.errors import APIError
+from serve_app.schema.structural_tag import StructuralTag, structural_tag_grammar
 from workers.contract.grammar import grammar_error
 from workers.contract.sampling_params import GuidedDecoding
 
 JSON_OBJECT_SCHEMA = {"type": "object"}
 
 
-def guided_decoding(fmt: TextFormat | JSONObjectFormat | JSONSchemaFormat | None) -> GuidedDecoding | None:
+def guided_decoding(fmt: TextFormat | JSONObjectFormat | JSONSchemaFormat | StructuralTag | None,
+                    ) -> GuidedDecoding | None:
     if fmt is None or isinstance(fmt, TextFormat):
         return None
+    if isinstance(fmt, StructuralTag):
+        guided = GuidedDecoding(kind="lark", spec=structural_tag_grammar("response_format", fmt),
+                                param="response_format")
+        if (error := grammar_error(guided)) is not None:
+            raise APIError(400, f"response_format: this structural tag cannot be enforced: {error}",
+                           param="response_format", code="invalid_schema")
+        return guided
     schema = fmt.json_schema.schema_ if isinstance(fmt, JSONSchemaFormat) else JSON_OBJECT_SCHEMA
     guided = GuidedDecoding(kind="json_schema", spec=json.dumps(schema), param="response_format")
     error = grammar_error(guided)
@@ -80,7 +91,7 @@ def _as_one_param(value: Any, handler) -> Any:
 
 # OpenAI's structured output; what each means is in the module docstring.
 ResponseFormat = Annotated[
-    Annotated[TextFormat | JSONObjectFormat | JSONSchemaFormat, Field(discriminator="type")] | None,
+    Annotated[TextFormat | JSONObjectFormat | JSONSchemaFormat | StructuralTag, Field(discriminator="type")] | None,
     WrapValidator(_as_one_param),
 ]
 

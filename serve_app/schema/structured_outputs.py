@@ -1,11 +1,12 @@
 """vLLM's structured-output request fields and the engine constraint each becomes, beside
 OpenAI's `response_format` (serve_app/schema/response_format.py):
 
-- `structured_outputs: {json | regex | choice | grammar | json_object}`: exactly one of
+- `structured_outputs: {json | regex | choice | grammar | json_object | structural_tag}`: exactly one of
   `json` (a JSON schema, as an object or its JSON text), `regex` (the whole output
   matches it; llguidance's regex syntax, Rust's), `choice` (the output is one of these
   strings), `grammar` (a Lark grammar in llguidance's dialect, `start` its top rule) or
-  `json_object: true` (any JSON object).
+  `json_object: true` (any JSON object) or `structural_tag` (tagged JSON segments in free
+  text, serve_app/schema/structural_tag.py).
 - The older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` fields, one
   of them, mean the same.
 
@@ -22,6 +23,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from serve_app.http.errors import APIError
+from serve_app.schema.structural_tag import parse_structural_tag, structural_tag_grammar
 from workers.contract.grammar import grammar_error
 from workers.contract.sampling_params import GuidedDecoding
 
@@ -35,11 +37,12 @@ class StructuredOutputs(BaseModel):
     choice: list[str] | None = Field(None, min_length=1)
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: dict[str, Any] | str | None = None  # serve_app/schema/structural_tag.py
 
     def given(self) -> dict[str, Any]:
         """The constraint fields set, by name (json_object only when true)."""
         values = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
-                  "json_object": self.json_object or None}
+                  "json_object": self.json_object or None, "structural_tag": self.structural_tag}
         return {name: value for name, value in values.items() if value is not None}
 
 
@@ -101,6 +104,8 @@ def _constraint(field: str, kind: str, value: Any) -> tuple[str, str]:
         return "json_schema", json.dumps({"type": "object"})
     if kind == "regex":
         return "regex", value
+    if kind == "structural_tag":
+        return "lark", structural_tag_grammar(field, parse_structural_tag(field, value))
     if kind == "choice":
         # A Lark alternation of string literals: JSON's escapes are Lark's, so any text is exact.
         return "lark", "start: " + " | ".join(json.dumps(option) for option in value)
