@@ -377,6 +377,33 @@ def run_lora(args, loaded) -> None:
           f"(target >= 80%); base rows / plain: {results['base rows'][0] / plain_best:.1%}", flush=True)
 
 
+# --- deterministic: the batch-invariant mode's cost -----------------------------------------
+
+
+def run_deterministic(args, loaded) -> None:
+    """The offline load with `engine.deterministic` off and on (a second copy of the model:
+    the mode wraps its layers in place), alternating rounds; the median of each shown."""
+    messages = [{"role": "user", "content": args.prompt}]
+    prompt_ids = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                      return_dict=False)
+    config = served_model_config(args.config)
+    engines = {}
+    for flag, model in ((False, loaded.model), (True, copy.deepcopy(loaded.model))):
+        engine_config = config.engine.model_copy(update={"deterministic": flag})
+        engines[flag] = configured_engine(model, config.model_copy(update={"engine": engine_config}))
+        offline_level(engines[flag], prompt_ids, 1, 1, 4)  # warm-up
+    for concurrency in args.concurrency:
+        n = args.num_requests or max(8, 2 * concurrency)
+        rates: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(args.repeat):
+            for flag, engine in engines.items():
+                rates[flag].append(offline_level(engine, prompt_ids, concurrency, n, args.max_tokens).output_tok_s)
+        off, on = statistics.median(rates[False]), statistics.median(rates[True])
+        print(f"c={concurrency:<3} n={n} max_tokens={args.max_tokens}: off {off:7.1f} tok/s, deterministic "
+              f"{on:7.1f} tok/s ({on / off:.2f}x; rounds off {[round(r, 1) for r in rates[False]]}, "
+              f"on {[round(r, 1) for r in rates[True]]})", flush=True)
+
+
 # --- worker: the worker's request path in this process (no Ray) -----------------------------
 
 
@@ -580,6 +607,9 @@ def main(argv: list[str] | None = None) -> None:
     serving_load.add_argument("--json", default=None, help="also write the reports here")
     sub.add_parser("offline", parents=[serving_load], help="the HTTP bench's load straight into the engine")
     sub.add_parser("worker", parents=[serving_load], help="the same load through the worker's request path (no Ray)")
+    determinism = sub.add_parser("deterministic", parents=[serving_load], help="the offline load with "
+                                 "engine.deterministic off and on, alternating")
+    determinism.add_argument("--repeat", type=int, default=3, help="rounds; the median of each is shown")
     prefix = sub.add_parser("prefix", help="TTFT of a request sharing a long prefix with an earlier one")
     prefix.add_argument("--prefix-tokens", type=int, default=1000)
     prefix.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
@@ -612,7 +642,7 @@ def main(argv: list[str] | None = None) -> None:
         loaded.model.set_attn_implementation(register_paged_attention())
     commands = {"decode": run_decode, "packing": run_packing, "fusion": run_fusion, "offline": run_offline,
                 "prefix": run_prefix, "fairness": run_fairness, "lora": run_lora, "direct": run_direct,
-                "attention": run_attention}
+                "attention": run_attention, "deterministic": run_deterministic}
     commands[args.command](args, loaded)
 
 

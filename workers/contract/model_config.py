@@ -62,6 +62,11 @@ class EngineConfig(_Strict):
     async_scheduling: bool = Field(
         True, description="cuda: launch the next decode step before this one's tokens are read back, so the "
         "host's work overlaps the device's (plain decodes only); false: one step at a time")
+    deterministic: bool = Field(
+        False, description="cpu: a sequence's logits depend only on its own tokens, never on the batch around it, "
+        "its prompt's chunking or a prefix-cache hit: linears with one reduction order per row whatever the batch "
+        "(in row slices whose size a load-time probe finds invariant on this CPU), every prompt span attended by the "
+        "decode kernel (workers/model/batch_invariant.py); costs in docs/BENCHMARKS.md")
     direct_forward: bool = Field(
         True, description="cpu: Llama, Mistral, Qwen2 and Qwen3 models run chatserve's own loop over their layers "
         "instead of transformers' modules (the same logits, fewer operators: the default model's decode step 1.3-1.4x "
@@ -408,7 +413,19 @@ class ModelConfig(_Strict):
             raise ValueError(f"lora.adapters: adapter name {self.id!r} is the model's own id")
         self._check_parallel(self.deployment.ray_actor_options.get("num_gpus", 0))
         self._check_disaggregation()
+        self._check_deterministic()
         return self
+
+    def _check_deterministic(self) -> None:
+        """The batch-invariant mode covers what it was built and tested for; the rest is refused."""
+        if not self.engine.deterministic:
+            return
+        refused = {"device: cuda": self.device == "cuda", "lora": self.lora is not None,
+                   f"parallel.{self.parallel.split_field}": self.parallel.shards > 1}
+        for what, present in refused.items():
+            if present:
+                raise ValueError(f"engine.deterministic: not available with {what} (batch-invariant kernels are "
+                                 "built for one CPU device, without adapters)")
 
     @property
     def decode_deployment(self) -> WorkerDeploymentConfig:

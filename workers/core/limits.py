@@ -38,6 +38,7 @@ class EngineLimits:
     cuda_graph_max_batch: int = 0  # CUDA: decode steps up to this batch replay graphs (0: off)
     async_scheduling: bool = False  # launch the next decode step before reading this one's tokens
     direct_forward: bool = True  # CPU: Llama-shaped models skip transformers' modules (direct_forward.py)
+    deterministic: bool = False  # CPU: batch-invariant linears and attention (workers/model/batch_invariant.py)
     lora: LoraLimits | None = None  # LoRA adapters served (None: no LoRA layers in the model)
     speculative: SpeculativeLimits | None = None  # speculative decoding (None: off)
 
@@ -64,6 +65,7 @@ def engine_limits(config: ModelConfig, model_window: int) -> EngineLimits:
         # previous step's tokens, which async scheduling has not read back yet.
         async_scheduling=eng.async_scheduling and config.device == "cuda" and config.speculative is None,
         direct_forward=eng.direct_forward,
+        deterministic=eng.deterministic,
         lora=LoraLimits(config.lora.max_loras, config.lora.max_lora_rank) if config.lora is not None else None,
         speculative=_speculative_limits(config),
     )

@@ -50,6 +50,7 @@ from workers.engine.resume import (
 )
 from workers.engine.scheduler import Scheduler, SchedulerConfig
 from workers.engine.step_recovery import StepRecovery
+from workers.model.batch_invariant import make_batch_invariant
 from workers.model.cuda_graphs import DecodeGraphs
 from workers.model.kv_cache import PagedKVCache
 from workers.parallel.pipeline import StageLayers
@@ -82,12 +83,17 @@ class LLMEngine:
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.shard_group = shard_group
+        if limits.deterministic:  # before the runner: the direct forward holds the layers it finds
+            make_batch_invariant(model)
         # A split model's output head holds only this shard's rows of the vocabulary.
         self.vocab_size = model.config.vocab_size if shard_group else model.get_output_embeddings().weight.shape[0]
         shape, num_blocks = kv_pool(model, limits, shard_group.world if shard_group else 1, stage)
         if shard_group is not None:
             shard_group.send(KVPlan(num_blocks, limits.block_size, limits.lora))
         path = decode_path(device, limits, split=shard_group is not None)
+        if limits.deterministic and not path.cpu_kernel:
+            raise ValueError("engine.deterministic needs the CPU attention kernel (workers/model/cpu_attention.c), "
+                             "which needs a C compiler on the worker's host")
         self.kv_cache = PagedKVCache(shape, num_blocks, limits.block_size, device, padding_block=path.graphs)
         self.blocks = BlockManager(num_blocks, limits.block_size, limits.enable_prefix_caching)
         # Before the runner: its CUDA graphs capture the LoRA layers too.

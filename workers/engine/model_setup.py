@@ -81,7 +81,8 @@ def model_runner(model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.d
     LoRA rows when `lora` has slots). `shard_group`: `model` is this driver's part of a
     split model (workers/parallel/), which the direct forward runs over the group: its
     tensor shard, or its first pipeline `stage` (itself split by tensors or not)."""
-    runner = ModelRunner(model, kv_cache, device, triton_decode=path.triton, lora=lora, cpu_decode=path.cpu_kernel)
+    runner = ModelRunner(model, kv_cache, device, triton_decode=path.triton, lora=lora, cpu_decode=path.cpu_kernel,
+                         deterministic=limits.deterministic)
     if shard_group is not None:
         if not path.direct:
             raise ValueError("a model split over shards runs the direct forward only "

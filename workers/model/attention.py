@@ -75,6 +75,7 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # [D] int32: each decode row's context, itself included
     triton_decode: bool = False  # decode rows by the Triton kernel (CUDA)
     cpu_decode: bool = False  # decode rows by the C kernel (CPU); neither: SDPA over a gather
+    kernel_span: int = KERNEL_SPAN  # with cpu_decode: spans (with their context) of up to this many queries too
 
 
 @dataclass(frozen=True)
@@ -143,9 +144,10 @@ def attend_packed(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 def _span_by_kernel(kernel: CpuDecodeAttention, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     span: PrefillSpan, meta: AttentionMetadata, layer: LayerAttention, out: torch.Tensor) -> bool:
-    """A short span with earlier context as decode rows of the C kernel (KERNEL_SPAN);
-    False when it is not one, or the kernel does not take it."""
-    if span.context_slots is None or span.end - span.start > KERNEL_SPAN:
+    """A short span with earlier context as decode rows of the C kernel (KERNEL_SPAN; in the
+    deterministic mode every span, its context slots then given even without earlier
+    context); False when it is not one, or the kernel does not take it."""
+    if span.context_slots is None or span.end - span.start > meta.kernel_span:
         return False
     block_size = meta.kv_cache.block_size
     return kernel(q[span.start : span.end], k_cache, v_cache, *span.as_decode_rows(block_size), block_size,

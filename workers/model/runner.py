@@ -15,6 +15,7 @@ by the sequences' precomputed image features. Every other step feeds `input_ids`
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -24,7 +25,7 @@ import torch
 from workers.core.adapter_slots import AdapterSlots, NoAdapters
 from workers.core.batch import PoolRows, PromptLogitRows, ScheduledChunk
 from workers.core.images import ImageFeatures, ImageInputs
-from workers.model.attention import AttentionMetadata, PrefillSpan
+from workers.model.attention import KERNEL_SPAN, AttentionMetadata, PrefillSpan
 from workers.model.kv_cache import PagedKVCache
 from workers.model.multimodal import encode_images
 from workers.model.step_inputs import (
@@ -44,10 +45,12 @@ if TYPE_CHECKING:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache, device: torch.device,
-                 triton_decode: bool = False, lora: AdapterSlots = NoAdapters(), cpu_decode: bool = False) -> None:
+                 triton_decode: bool = False, lora: AdapterSlots = NoAdapters(), cpu_decode: bool = False,
+                 deterministic: bool = False) -> None:
         """`triton_decode` / `cpu_decode`: decode rows use the paged Triton kernel (CUDA) / the
         C kernel (CPU) instead of a masked SDPA over a padded gather. `lora`: the model's LoRA
-        layers and slots."""
+        layers and slots. `deterministic`: every prompt span is attended by the C kernel as
+        decode rows, so its queries get the sums decoding them would (batch invariance)."""
         self.model = model
         self.lora = lora
         self.kv_cache = kv_cache
@@ -55,6 +58,7 @@ class ModelRunner:
         self.device = device
         self.triton_decode = triton_decode
         self.cpu_decode = cpu_decode
+        self.deterministic = deterministic
         self.decode_graphs: DecodeGraphs | None = None  # set by the engine on CUDA
         self.direct: DirectForward | None = None  # set by the engine for Llama-shaped models without LoRA
 
@@ -172,6 +176,7 @@ class ModelRunner:
             prefills=spans,
             triton_decode=self.triton_decode,
             cpu_decode=self.cpu_decode,  # also short prefill spans (attention.KERNEL_SPAN)
+            kernel_span=sys.maxsize if self.deterministic else KERNEL_SPAN,
         )
         self._add_decode_context(metadata, decodes, decode_ctx_lens)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=device).unsqueeze(0)
@@ -194,7 +199,7 @@ class ModelRunner:
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
     def _prefill_span(self, offset: int, start: int, n: int, all_slots: torch.Tensor) -> PrefillSpan:
-        if start == 0:
+        if start == 0 and not self.deterministic:
             return PrefillSpan(offset, offset + n, None, None)
         # Earlier context is in the cache (chunked prefill or resume): attend to it too.
         q_pos = torch.arange(start, start + n).unsqueeze(1)
