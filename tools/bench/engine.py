@@ -402,6 +402,15 @@ def run_deterministic(args, loaded) -> None:
         print(f"c={concurrency:<3} n={n} max_tokens={args.max_tokens}: off {off:7.1f} tok/s, deterministic "
               f"{on:7.1f} tok/s ({on / off:.2f}x; rounds off {[round(r, 1) for r in rates[False]]}, "
               f"on {[round(r, 1) for r in rates[True]]})", flush=True)
+    for length in args.long_prompt:  # every prompt span by the decode kernel: what a long prefill pays
+        ttfts: dict[bool, list[float]] = {False: [], True: []}
+        for round_ in range(args.repeat):
+            prompt = long_text_ids(loaded.tokenizer, length, seed=round_)
+            for flag, engine in engines.items():
+                ttfts[flag].append(ttft_ms(engine, prompt))
+        off, on = statistics.median(ttfts[False]), statistics.median(ttfts[True])
+        print(f"TTFT of a {length}-token prompt alone: off {off:7.0f} ms, deterministic {on:7.0f} ms "
+              f"({on / off:.2f}x)", flush=True)
 
 
 # --- worker: the worker's request path in this process (no Ray) -----------------------------
@@ -610,6 +619,8 @@ def main(argv: list[str] | None = None) -> None:
     determinism = sub.add_parser("deterministic", parents=[serving_load], help="the offline load with "
                                  "engine.deterministic off and on, alternating")
     determinism.add_argument("--repeat", type=int, default=3, help="rounds; the median of each is shown")
+    determinism.add_argument("--long-prompt", type=int, nargs="*", default=[1000, 2000],
+                             help="also the TTFT of prompts this long (a new text each round: no cache hit)")
     prefix = sub.add_parser("prefix", help="TTFT of a request sharing a long prefix with an earlier one")
     prefix.add_argument("--prefix-tokens", type=int, default=1000)
     prefix.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")

@@ -74,7 +74,7 @@ FAMILIES = {
 HEAD_NORMS = {"Qwen3ForCausalLM"}  # families whose attention norms q and k per head before the rotation
 # The products the forward calls as modules: a LoraLinear adds each row's adapter delta
 # (workers/lora/layers.py), from the step the model runner sets around the call.
-LINEAR_KINDS = ("Linear", "PackedLinear", "LoraLinear", "QuantizedLinear", "DeviceQuantizedLinear")
+LINEAR_KINDS = ("Linear", "PackedLinear", "LoraLinear", "QuantizedLinear", "DeviceQuantizedLinear", "RowSliced")
 
 
 @dataclass(frozen=True)

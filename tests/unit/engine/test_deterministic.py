@@ -53,6 +53,7 @@ def model(request, wide_model, paged_attn_name):
         if forward == "direct":
             fuse_sibling_projections(model)
         pack_linear_layers(model, float32=False)  # as the loader packs bfloat16 (float32: MKL's, torch's own)
+        model.expects_direct_forward = forward == "direct"
         return model
 
     return fresh
@@ -67,8 +68,10 @@ def prompts(tiny_tokenizer) -> list[list[int]]:
 def target_run(model, prompts, deterministic: bool, neighbours: int, budget: int = 512, cache_hit: bool = False,
                **limits) -> list[tuple[int, float]]:
     """The first prompt's greedy tokens and their logprobs, run with `neighbours` others."""
-    engine = make_engine(model(), num_blocks=1200, block_size=4, max_num_batched_tokens=budget,
+    model = model()
+    engine = make_engine(model, num_blocks=1200, block_size=4, max_num_batched_tokens=budget,
                          max_num_seqs=64, deterministic=deterministic, enable_prefix_caching=cache_hit, **limits)
+    assert (engine.runner.direct is not None) == model.expects_direct_forward  # the mode's layers keep it
     params = SamplingParams(max_tokens=TARGET_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
     if cache_hit:
         engine.add_request(prompts[0], params)
