@@ -1,11 +1,18 @@
-"""Reasoning output (`deepseek_r1`): `<think>...</think>` split off into `reasoning_content`.
+"""Reasoning output: `<think>...</think>` split off into `reasoning_content`.
 
 Used by `/v1/chat/completions` only; `/lm/v2` keeps the tags inside `content` (seed 004).
 The output starts inside the reasoning when it opens with `<think>`, or when the chat
 template already opened it at the end of the prompt (the worker reports that on the
 chunks: `GenerationChunk.reasoning_open`). Everything up to `</think>` is reasoning; an
 output cut off before `</think>` is all reasoning. Text that may be the start of a tag
-is held back until decided.
+is held back until decided. An output that neither opens with `<think>` nor starts
+inside an opened one is all content.
+
+- `deepseek_r1` (DeepSeek R1, and the default reading of the tags).
+- `qwen3` (Qwen3, QwQ): the same tags. Thinking switched off (`enable_thinking: false`)
+  the template closes an empty `<think></think>` in the prompt, so the output is all
+  content; a thinking-only template (Qwen3 2507 Thinking) opens `<think>` in the prompt,
+  and the model may still write `<think>` again first: that repeated tag is markup.
 
 Reasoning tokens: tokens arrive in chunks with their text. A chunk wholly inside the
 reasoning counts all its tokens; a chunk that closes it counts its share of the
@@ -86,4 +93,20 @@ class DeepSeekR1ReasoningParser:
         return math.ceil(num_tokens * share)
 
 
-REASONING_PARSERS = {"deepseek_r1": DeepSeekR1ReasoningParser}
+class Qwen3ReasoningParser(DeepSeekR1ReasoningParser):
+    def __init__(self, reasoning_open: bool = False) -> None:
+        super().__init__(reasoning_open)
+        self._may_repeat_start = reasoning_open  # the template opened <think>: the model may write it again
+
+    def _push(self, text: str) -> ReasoningOutput:
+        if self._may_repeat_start:
+            self._buffer += text
+            head = self._buffer.lstrip()
+            if self.START.startswith(head):
+                return ReasoningOutput()  # still whitespace, or a prefix of the tag
+            self._may_repeat_start = False
+            text, self._buffer = head[len(self.START):] if head.startswith(self.START) else self._buffer, ""
+        return super()._push(text)
+
+
+REASONING_PARSERS = {"deepseek_r1": DeepSeekR1ReasoningParser, "qwen3": Qwen3ReasoningParser}

@@ -3,12 +3,16 @@
 One class per format knows everything about it: how to find calls in the output
 (streaming and not), the llguidance Lark grammar that constrains sampling to valid
 calls (`tool_choice` required or named, `strict` functions), and how chatserve teaches
-the format to a model whose chat template ignores tools (`ToolPrompt`).
+the format to a model whose chat template ignores tools (`ToolPrompt`). `PARSERS` maps
+the model config's `tool_call_parser` to its class.
 
 - `hermes` (Qwen 2.5/3, Hermes, and chatserve's own rendering):
   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, repeatable, text around it.
 - `llama3_json` (Llama 3.1+): the whole answer is `{"name": ..., "parameters": {...}}`,
   optionally after `<|python_tag|>`; several calls are separated by `;`.
+- `mistral`, `pythonic` (Llama 3.2/4), `qwen3_coder`, `deepseek_v3`: their own modules
+  (serve_app/output/mistral_calls.py, pythonic_calls.py, xml_calls.py, deepseek_calls.py);
+  what formats share is in serve_app/output/tool_parser_base.py.
 
 Streaming: text that may still become a call (a prefix of the opening tag) is held back; a
 call is announced once its function is known and its arguments stream as they are written
@@ -22,138 +26,29 @@ grammar forced calls. Parsing never raises.
 from __future__ import annotations
 
 import json
-from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 from typing import Any
 
 from serve_app.output.call_deltas import CallDelta, ParsedCall
 from serve_app.output.call_reader import CallReader, call_from, new_call_id
+from serve_app.output.deepseek_calls import DeepSeekV3ToolParser
+from serve_app.output.mistral_calls import MistralToolParser
+from serve_app.output.pythonic_calls import PythonicToolParser
 from serve_app.output.tags import held_prefix
-from serve_app.schema.tools import FunctionDefinition, NamedToolChoice, Tool
+from serve_app.output.tool_parser_base import (
+    WS,
+    ToolOutput,
+    ToolParser,
+    calls_schema,
+    forced_functions,
+    tool_list,
+)
+from serve_app.output.xml_calls import Qwen3CoderToolParser
+from serve_app.schema.tools import NamedToolChoice, Tool
 from workers.contract.requests import ToolPrompt
 
-_WS = r"/[ \t\n]*/"
-
-
-__all__ = ["PARSERS", "CallDelta", "HermesToolParser", "Llama3JsonToolParser", "ParsedCall", "ToolOutput",
-           "ToolParser", "forced_functions"]
-
-
-@dataclass
-class ToolOutput:
-    """What one piece of model text turned into."""
-
-    content: str = ""
-    calls: list[CallDelta] = field(default_factory=list)
-
-
-def _call_schema(function: FunctionDefinition, arguments_key: str, arguments: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "type": "object",
-        "properties": {"name": {"const": function.name}, arguments_key: arguments},
-        "required": ["name", arguments_key],
-        "additionalProperties": False,
-    }
-
-
-def _calls_schema(functions: list[FunctionDefinition], arguments_key: str, bind_all: bool) -> str:
-    """One JSON schema for a call to any of `functions` (llguidance wants anyOf, not rule
-    alternatives); arguments are bound to the function's schema when forced or strict."""
-    options, defs = [], {}
-    for i, function in enumerate(functions):
-        arguments: dict[str, Any] = {"type": "object"}
-        if bind_all or function.strict:
-            location = f"#/properties/{arguments_key}" if len(functions) == 1 else f"#/anyOf/{i}/properties/{arguments_key}"
-            arguments, own_defs = _relocated(function.arguments_schema, location, f"f{i}_")
-            defs.update(own_defs)
-        options.append(_call_schema(function, arguments_key, arguments))
-    schema = dict(options[0]) if len(options) == 1 else {"anyOf": options}
-    if defs:
-        schema["$defs"] = defs
-    # Compact JSON as models write it; flexible whitespace would let a model pad forever.
-    schema["x-guidance"] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-    return json.dumps(schema, ensure_ascii=False)
-
-
-def _relocated(schema: dict[str, Any], location: str, prefix: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A function's parameters schema moved from a document root to `location` inside the
-    call schema: its definitions (`$defs`, `definitions`, as pydantic writes them) go to
-    the root's `$defs` under `prefix`, and its local `$ref`s are rewritten to follow."""
-
-    def moved(ref: str) -> str:
-        for key in ("#/$defs/", "#/definitions/"):
-            if ref.startswith(key):
-                return "#/$defs/" + prefix + ref[len(key):]
-        return location + ref[1:]
-
-    def fix(node: Any) -> Any:
-        if isinstance(node, list):
-            return [fix(v) for v in node]
-        if not isinstance(node, dict):
-            return node
-        out = {k: fix(v) for k, v in node.items()}
-        if isinstance(node.get("$ref"), str) and node["$ref"].startswith("#"):
-            out["$ref"] = moved(node["$ref"])
-        return out
-
-    defs = {prefix + name: fix(sub) for key in ("$defs", "definitions") for name, sub in (schema.get(key) or {}).items()}
-    body = fix({k: v for k, v in schema.items() if k not in ("$defs", "definitions")})
-    return body, defs
-
-
-def _tool_list(tools: list[Tool]) -> str:
-    return "\n".join(json.dumps(t.model_dump(exclude_none=True), ensure_ascii=False) for t in tools)
-
-
-class ToolParser(ABC):
-    """One format. An instance parses one choice's output as it streams; `parse` reads a
-    whole text; the class methods build the format's grammar and prompt section."""
-
-    name: str = ""
-    arguments_key: str = "arguments"
-    arguments_keys: tuple[str, ...] = ("arguments", "parameters")  # read, in this order
-
-    def __init__(self, tools: list[Tool], forced: bool = False) -> None:
-        """`forced`: the grammar forces the output to be calls (`tool_choice` required or
-        named), so no text of it is ever content."""
-        self.names = {t.function.name for t in tools}
-        self.forced = forced
-        self.made_calls = False
-        self._num_calls = 0
-
-    def _next_index(self) -> int:
-        self._num_calls += 1
-        self.made_calls = True
-        return self._num_calls - 1
-
-    def _reader(self) -> CallReader:
-        return CallReader(self.names, self.arguments_keys, self._next_index)
-
-    @abstractmethod
-    def push(self, text: str) -> ToolOutput:
-        """The content and calls this piece of text completes; the rest is held back."""
-
-    @abstractmethod
-    def finish(self) -> ToolOutput:
-        """Everything still held back, at the end of the output."""
-
-    @classmethod
-    @abstractmethod
-    def grammar(cls, tools: list[Tool], choice: Any, parallel: bool) -> str | None:
-        """The Lark grammar for `tool_choice` (required, named, or auto with strict
-        functions); None when the output stays free."""
-
-    @classmethod
-    @abstractmethod
-    def tool_prompt(cls, tools: list[Tool]) -> ToolPrompt:
-        """How to write tools and calls for a model whose template ignores tools."""
-
-
-def forced_functions(tools: list[Tool], choice: Any) -> list[FunctionDefinition]:
-    """The functions a forced choice allows: the named one, or all for "required"."""
-    if isinstance(choice, NamedToolChoice):
-        return [t.function for t in tools if t.function.name == choice.function.name]
-    return [t.function for t in tools]
+__all__ = ["PARSERS", "CallDelta", "DeepSeekV3ToolParser", "HermesToolParser", "Llama3JsonToolParser",
+           "MistralToolParser", "ParsedCall", "PythonicToolParser", "Qwen3CoderToolParser", "ToolOutput", "ToolParser",
+           "forced_functions"]
 
 
 class HermesToolParser(ToolParser):
@@ -235,7 +130,7 @@ class HermesToolParser(ToolParser):
                 return None
             # Free text; once the model writes the opening tag (a lazy trigger), the call
             # must be valid, with strict functions' arguments bound to their schemas.
-            schema = _calls_schema([t.function for t in tools], "arguments", bind_all=False)
+            schema = calls_schema([t.function for t in tools], "arguments", bind_all=False)
             # Parallel: calls and text in any order; else text, or text and one last call.
             start = "call* TEXT" if parallel else "TEXT | call"
             return (
@@ -243,9 +138,9 @@ class HermesToolParser(ToolParser):
                 f"start: {start}\n"
                 "TEXT: /(.|\\n)*/\n"
                 f'trigger[lazy]: TEXT "{cls.OPEN}"\n'
-                f'call: trigger {_WS} %json {schema} {_WS} "{cls.CLOSE}"\n'
+                f'call: trigger {WS} %json {schema} {WS} "{cls.CLOSE}"\n'
             )
-        schema = _calls_schema(forced_functions(tools, choice), "arguments", bind_all=True)
+        schema = calls_schema(forced_functions(tools, choice), "arguments", bind_all=True)
         repeat = ' ("\\n" call)*' if parallel and not isinstance(choice, NamedToolChoice) else ""
         return (
             "%llguidance {}\n"
@@ -257,7 +152,7 @@ class HermesToolParser(ToolParser):
     def tool_prompt(cls, tools: list[Tool]) -> ToolPrompt:
         section = (
             "# Tools\n\nYou may call one or more functions to assist with the user query.\n"
-            f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{_tool_list(tools)}\n"
+            f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tool_list(tools)}\n"
             "</tools>\n\nFor each function call, return a json object with function name and arguments within "
             f'{cls.OPEN}{cls.CLOSE} XML tags:\n{cls.OPEN}\n{{"name": <function-name>, "arguments": <args-json-object>}}'
             f"\n{cls.CLOSE}"
@@ -357,7 +252,7 @@ class Llama3JsonToolParser(ToolParser):
             if not any(t.function.strict for t in tools):
                 return None
             # Plain text that cannot be taken for a call, or calls whose arguments are bound.
-            schema = _calls_schema([t.function for t in tools], "parameters", bind_all=False)
+            schema = calls_schema([t.function for t in tools], "parameters", bind_all=False)
             repeat = ' ("; " call)*' if parallel else ""
             return (
                 "%llguidance {}\n"
@@ -366,7 +261,7 @@ class Llama3JsonToolParser(ToolParser):
                 f"calls: call{repeat}\n"
                 f"call: %json {schema}\n"
             )
-        schema = _calls_schema(forced_functions(tools, choice), "parameters", bind_all=True)
+        schema = calls_schema(forced_functions(tools, choice), "parameters", bind_all=True)
         repeat = ' ("; " call)*' if parallel and not isinstance(choice, NamedToolChoice) else ""
         return f"%llguidance {{}}\nstart: call{repeat}\ncall: %json {schema}\n"
 
@@ -374,7 +269,7 @@ class Llama3JsonToolParser(ToolParser):
     def tool_prompt(cls, tools: list[Tool]) -> ToolPrompt:
         section = (
             "You have access to the following functions:\n"
-            f"{_tool_list(tools)}\n\n"
+            f"{tool_list(tools)}\n\n"
             "To call a function, respond only with a JSON object of the form "
             '{"name": <function-name>, "parameters": <args-json-object>} and nothing else. '
             "Otherwise answer in plain text."
@@ -382,4 +277,6 @@ class Llama3JsonToolParser(ToolParser):
         return ToolPrompt(section, "", "", "parameters", "Function result:\n", "")
 
 
-PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser)}
+PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (
+    HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser, Qwen3CoderToolParser,
+    DeepSeekV3ToolParser)}

@@ -31,6 +31,8 @@ def to_generate_request(req: ChatCompletionRequest, request_id: str,
     params = sampling_params(req)  # guided by response_format, if any
     if (constraint := tool_constraint(req, parser)) is not None:  # never both (ChatCompletionRequest._tool_error)
         params = dataclasses.replace(params, guided=constraint)
+    if tools and parser.special_tags:  # as vLLM does: the calls' tags are special tokens
+        params = dataclasses.replace(params, skip_special_tokens=False)
     return GenerateRequest(
         request_id=request_id,
         params=params,

@@ -1,11 +1,19 @@
-"""The deepseek_r1 reasoning parser (serve_app/output/reasoning.py): whole and streamed in every
-split, the prompt-opened `<think>`, a missing `</think>`, and reasoning-token counts."""
+"""The reasoning parsers (serve_app/output/reasoning.py), deepseek_r1 and qwen3: whole and
+streamed in every split, the prompt-opened `<think>`, a missing `</think>`, reasoning-token
+counts, and Qwen3's templates with thinking on and off."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
-from serve_app.output.reasoning import DeepSeekR1ReasoningParser
+from serve_app.dialects.chat.request import ChatCompletionRequest
+from serve_app.dialects.chat.translate import to_generate_request
+from serve_app.output.reasoning import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
+from workers.contract.model_config import ModelConfig
+from workers.serving.request_processor import _opens_reasoning
+from workers.text.prompts import PromptBuilder
 
 # (model output, output starts inside the reasoning, expected reasoning, expected content)
 OUTPUTS = [
@@ -78,3 +86,65 @@ def test_reasoning_tokens_of_multi_token_chunks_and_of_an_answer_without_reasoni
     plain.push("<", 1)  # undecided: not counted unless it opens the reasoning
     plain.push("b>bold</b>", 3)
     assert plain.reasoning_tokens == 0
+
+
+# ------------------------------------------------------------------------------ qwen3
+
+# Qwen3's hybrid template: thinking on, the model opens <think> itself; off, the template
+# closes an empty one in the prompt. Qwen3 2507 Thinking's opens it in the prompt.
+QWEN3_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+QWEN3_THINKING_TEMPLATE = QWEN3_TEMPLATE.replace(
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}", "<think>\n")
+# (model output, the template opened the reasoning, expected reasoning, expected content)
+QWEN3_OUTPUTS = [
+    ("<think>\nCompare the tenths.\n</think>\n\n9.8 is larger.", False, "\nCompare the tenths.\n",
+     "\n\n9.8 is larger."),
+    ("9.8 is larger.", False, "", "9.8 is larger."),  # thinking off: no tags at all, all content
+    ("Compare.\n</think>\n\n9.8", True, "Compare.\n", "\n\n9.8"),
+    # the template opened <think> and the model wrote it again: markup, not reasoning
+    ("<think>\nCompare.\n</think>\n\n9.8", True, "\nCompare.\n", "\n\n9.8"),
+    ("  <think>Compare.</think>9.8", True, "Compare.", "9.8"),
+    ("<thinking> is a word</think>ok", True, "<thinking> is a word", "ok"),
+    ("<thi", True, "<thi", ""),  # cut off: reasoning, as written
+    ("Still thinking", True, "Still thinking", ""),
+]
+
+
+def run_qwen3(pieces: list[str], reasoning_open: bool) -> tuple[str, str]:
+    parser = Qwen3ReasoningParser(reasoning_open)
+    parts = [parser.push(piece, 1) for piece in pieces] + [parser.finish()]
+    return "".join(p.reasoning for p in parts), "".join(p.content for p in parts)
+
+
+@pytest.mark.parametrize(("text", "opened", "reasoning", "content"), QWEN3_OUTPUTS)
+def test_qwen3_whole_and_streamed_in_every_split(text, opened, reasoning, content):
+    for pieces in [[text], *([text[:i], text[i:]] for i in range(len(text) + 1)), list(text)]:
+        assert run_qwen3(pieces, opened) == (reasoning, content), pieces
+
+
+def test_deepseek_r1_keeps_a_repeated_start_tag_as_reasoning():
+    parser = DeepSeekR1ReasoningParser(reasoning_open=True)
+    assert parser.push("<think>a</think>b", 1).reasoning == "<think>a"
+
+
+@pytest.mark.parametrize(("template", "kwargs", "opened", "output", "reasoning", "content"), [
+    (QWEN3_TEMPLATE, {}, False, "<think>\nhmm\n</think>\n\n9.8", "\nhmm\n", "\n\n9.8"),
+    (QWEN3_TEMPLATE, {"enable_thinking": False}, False, "9.8", "", "9.8"),
+    (QWEN3_THINKING_TEMPLATE, {}, True, "hmm\n</think>\n\n9.8", "hmm\n", "\n\n9.8"),
+])
+def test_qwen3_templates_and_what_the_worker_reports(tiny_tokenizer, template, kwargs, opened, output, reasoning,
+                                                      content):
+    """The worker reports an opened reasoning from the rendered prompt; with thinking off the
+    prompt ends after `</think>`, so the output is content."""
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = template
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "9.11 or 9.8?"}],
+                                                "chat_template_kwargs": kwargs})
+    request = to_generate_request(req, "r", ModelConfig(id="m", reasoning_parser="qwen3"))
+    assert request.reasoning_start == "<think>"
+    assert _opens_reasoning(PromptBuilder(tokenizer).chat_text(request), request.reasoning_start) is opened
+    assert run_qwen3([output], opened) == (reasoning, content)

@@ -118,6 +118,6 @@ def test_tool_and_reasoning_parsers_are_typed_per_model():
     cfg = parse_app_config(args)
     assert (cfg.model("tiny").tool_call_parser, cfg.model("tiny").reasoning_parser) == ("llama3_json", "deepseek_r1")
     assert (cfg.model("other").tool_call_parser, cfg.model("other").reasoning_parser) == ("hermes", None)
-    args["models"][1]["tool_call_parser"] = "mistral"
+    args["models"][1]["tool_call_parser"] = "granite"
     with pytest.raises(ConfigError, match="models.1.tool_call_parser"):
         parse_app_config(args)
