@@ -14,6 +14,7 @@ from serve_app.output.call_deltas import CallDelta
 from serve_app.output.reasoning import REASONING_PARSERS, DeepSeekR1ReasoningParser
 from serve_app.output.tool_parsers import PARSERS, ToolParser
 from serve_app.schema.tools import Tool, ToolUse
+from workers.contract.chunks import GenerationChunk
 from workers.contract.model_config import ModelConfig
 
 
@@ -91,3 +92,27 @@ class ChoiceParser:
             return ParsedDelta(content=text)
         out = self._tools.push(text)
         return ParsedDelta(content=out.content, calls=out.calls)
+
+
+class ChunkReader:
+    """One choice's worker chunks read by the request's parsers: the parser is made on the
+    first chunk (whose `reasoning_open` says whether the output starts inside reasoning),
+    and the chunk that finishes the choice flushes it."""
+
+    def __init__(self, parsing: OutputParsing) -> None:
+        self.parsing = parsing
+        self.parser: ChoiceParser | None = None
+
+    def read(self, chunk: GenerationChunk) -> ParsedDelta:
+        if not self.parsing.active:
+            return ParsedDelta(content=chunk.text)
+        if self.parser is None:
+            self.parser = self.parsing.new_choice(chunk.reasoning_open)
+        parsed = self.parser.push(chunk.text, len(chunk.token_ids))
+        if chunk.finish_reason is not None:
+            parsed = parsed.extend(self.parser.finish())
+        return parsed
+
+    @property
+    def reasoning_tokens(self) -> int:
+        return self.parser.reasoning_tokens if self.parser else 0

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError, model_validator
 
-from serve_app.http.errors import APIError
+from serve_app.http.errors import APIError, field_rule
 
 # pydantic's error types for a tag that names no member of a tagged union.
 _BAD_TAGS = {"unsupported_part", "unsupported_item", "union_tag_invalid", "union_tag_not_found"}
@@ -46,3 +46,15 @@ def _indexes(node: Any, part: str | int) -> bool:
     if isinstance(node, dict):
         return part in node
     return isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)
+
+
+class BodyPathErrors(BaseModel):
+    """A request model whose first validation error names its path through the body."""
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _errors_name_body_paths(cls, data: Any, handler) -> Any:
+        try:
+            return handler(data)
+        except ValidationError as exc:
+            raise field_rule(body_path_error(exc, data)) from None

@@ -84,3 +84,38 @@ def test_seed_001_multi_turn_tool_flow(default_app):
     answer = second.choices[0]
     assert answer.finish_reason in ("stop", "length", "tool_calls")
     assert answer.message.content or answer.message.tool_calls
+
+
+@pytest.mark.slow
+def test_anthropic_sdk_messages_and_a_tool_loop(default_app):
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=default_app, api_key="unused", max_retries=0)
+    ask = {"role": "user", "content": "What is the capital of France?"}
+    out = client.messages.create(model=MODEL, max_tokens=24, messages=[ask], extra_body={"temperature": 0})
+    assert "Paris" in out.content[0].text and out.usage.output_tokens <= 24
+    assert client.messages.count_tokens(model=MODEL, messages=[ask]).input_tokens == out.usage.input_tokens
+    tool = {"name": DELIVERY_TOOL["function"]["name"], "description": DELIVERY_TOOL["function"]["description"],
+            "input_schema": DELIVERY_TOOL["function"]["parameters"]}
+    order = {"role": "user", "content": "When will my order 12345 arrive?"}
+    turn = client.messages.create(model=MODEL, max_tokens=64, messages=[order], tools=[tool],
+                                  tool_choice={"type": "tool", "name": tool["name"]}, extra_body={"temperature": 0})
+    [call] = [b for b in turn.content if b.type == "tool_use"]
+    assert turn.stop_reason == "tool_use" and list(call.input) == ["order_id"]
+    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                           "content": "the delivery date is 2024.09.10."}]}
+    answer = client.messages.create(model=MODEL, max_tokens=48, tools=[tool], extra_body={"temperature": 0},
+                                    messages=[order, {"role": "assistant", "content": turn.content}, result])
+    assert answer.content and answer.stop_reason in ("end_turn", "max_tokens", "tool_use")
+
+
+@pytest.mark.slow
+def test_embeddings_place_related_texts_closer(default_app):
+    client = openai.OpenAI(base_url=default_app + "/v1", api_key="unused", max_retries=0)
+    texts = ["The cat sat on the mat.", "A kitten was sitting on the rug.", "Quarterly revenue grew by 12 percent."]
+    vectors = [d.embedding for d in client.embeddings.create(model=MODEL, input=texts).data]
+
+    def cosine(a, b):
+        return sum(x * y for x, y in zip(a, b))  # unit vectors
+
+    assert cosine(vectors[0], vectors[1]) > cosine(vectors[0], vectors[2])

@@ -25,7 +25,7 @@ from serve_app.dialects.chat.response import (
 from serve_app.http.errors import APIError
 from serve_app.http.sse import json_text, sse, sse_json
 from serve_app.output.call_deltas import CallAssembly, CallDelta, ParsedCall
-from serve_app.output.choice_parser import ChoiceParser, OutputParsing, ParsedDelta
+from serve_app.output.choice_parser import ChunkReader, OutputParsing, ParsedDelta
 from serve_app.schema.common import usage_of
 from workers.contract.chunks import GenerationChunk, TokenLogprob, TopLogprob
 
@@ -61,7 +61,7 @@ class _ChoiceState:
     texts: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     calls: CallAssembly = field(default_factory=CallAssembly)
-    parser: ChoiceParser | None = None
+    reader: ChunkReader | None = None  # made on the choice's first chunk
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -74,22 +74,19 @@ class _ChoiceState:
 
     def add_text(self, chunk: GenerationChunk, parsing: OutputParsing) -> ParsedDelta:
         """The chunk's text read by the choice's parsers (if any); the last chunk flushes them."""
-        if not parsing.active:
-            self.texts.append(chunk.text)
-            return ParsedDelta(content=chunk.text)
-        if self.parser is None:
-            self.parser = parsing.new_choice(chunk.reasoning_open)
-        parsed = self.parser.push(chunk.text, len(chunk.token_ids))
-        if chunk.finish_reason is not None:
-            parsed = parsed.extend(self.parser.finish())
+        if self.reader is None:
+            self.reader = ChunkReader(parsing)
+        parsed = self.reader.read(chunk)
         self.texts.append(parsed.content)
-        self.reasoning.append(parsed.reasoning)
-        self.calls.add(parsed.calls)
+        if parsed.reasoning:
+            self.reasoning.append(parsed.reasoning)
+        if parsed.calls:
+            self.calls.add(parsed.calls)
         return parsed
 
     @property
     def reasoning_tokens(self) -> int:
-        return self.parser.reasoning_tokens if self.parser else 0
+        return self.reader.reasoning_tokens if self.reader else 0
 
     def message(self, parsing: OutputParsing) -> AssistantMessage:
         content = "".join(self.texts)

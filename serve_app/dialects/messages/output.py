@@ -37,7 +37,7 @@ from serve_app.dialects.messages.translate import WORKER_PARAM_NAMES
 from serve_app.http.errors import APIError
 from serve_app.http.sse import json_text, sse_json
 from serve_app.output.call_deltas import CallDelta
-from serve_app.output.choice_parser import ChoiceParser, OutputParsing, ParsedDelta
+from serve_app.output.choice_parser import ChunkReader, OutputParsing, ParsedDelta
 from workers.contract.chunks import GenerationChunk
 from workers.contract.json_text import loads_json_text
 
@@ -166,7 +166,7 @@ class MessageBuilder:
         self.req = req
         self.parsing = parsing
         self.blocks = ContentBlocks()
-        self._parser: ChoiceParser | None = None
+        self._reader = ChunkReader(parsing)
         self._last = GenerationChunk()
         self._finish: GenerationChunk | None = None
 
@@ -174,22 +174,13 @@ class MessageBuilder:
         """The events of one worker chunk; a worker error raises APIError."""
         if chunk.error is not None:
             raise APIError.from_info(chunk.error, WORKER_PARAM_NAMES)
-        events = self.blocks.add(self._parse(chunk))
+        events = self.blocks.add(self._reader.read(chunk))
         if chunk.finish_reason is not None:
             self._finish = chunk
             events += self.blocks.finish()
         self._last = chunk
         return events
 
-    def _parse(self, chunk: GenerationChunk) -> ParsedDelta:
-        if not self.parsing.active:
-            return ParsedDelta(content=chunk.text)
-        if self._parser is None:
-            self._parser = self.parsing.new_choice(chunk.reasoning_open)
-        parsed = self._parser.push(chunk.text, len(chunk.token_ids))
-        if chunk.finish_reason is not None:
-            parsed = parsed.extend(self._parser.finish())
-        return parsed
 
     def stop_reason(self) -> tuple[StopReason | None, str | None]:
         """(stop_reason, stop_sequence): a cap first, then calls, then a stop sequence."""

@@ -17,12 +17,11 @@ from pydantic import (
     Discriminator,
     Field,
     Tag,
-    ValidationError,
     model_validator,
 )
 
 from serve_app.http.errors import APIError, field_rule, unsupported
-from serve_app.schema.body_paths import body_path_error
+from serve_app.schema.body_paths import BodyPathErrors
 from serve_app.schema.common import RequestModel, StopStrings
 from serve_app.schema.structured_outputs import StructuredOutputFields
 
@@ -206,7 +205,7 @@ class Metadata(RequestModel):
 # ------------------------------------------------------------------------------ request
 
 
-class MessagesRequest(StructuredOutputFields, RequestModel):
+class MessagesRequest(BodyPathErrors, StructuredOutputFields, RequestModel):
     """Anthropic's Messages request; vLLM's `structured_outputs` / `guided_*` fields too
     (serve_app/schema/structured_outputs.py), as on chat."""
 
@@ -225,14 +224,6 @@ class MessagesRequest(StructuredOutputFields, RequestModel):
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
     mcp_servers: list[Any] | None = None
-
-    @model_validator(mode="wrap")
-    @classmethod
-    def _errors_name_body_paths(cls, data: Any, handler) -> MessagesRequest:
-        try:
-            return handler(data)
-        except ValidationError as exc:
-            raise field_rule(body_path_error(exc, data)) from None
 
     @model_validator(mode="after")
     def _rules_between_fields(self) -> MessagesRequest:

@@ -38,7 +38,7 @@ from serve_app.dialects.responses.translate import WORKER_PARAM_NAMES
 from serve_app.http.errors import APIError
 from serve_app.http.sse import json_text, sse_json
 from serve_app.output.call_deltas import CallDelta
-from serve_app.output.choice_parser import ChoiceParser, OutputParsing, ParsedDelta
+from serve_app.output.choice_parser import ChunkReader, OutputParsing, ParsedDelta
 from workers.contract.chunks import GenerationChunk
 
 Event = dict[str, Any]  # one typed event, without its sequence_number
@@ -208,7 +208,7 @@ class ResponseBuilder:
         self.store = store
         self.created_at = int(time.time())
         self.items = OutputItems()
-        self._parser: ChoiceParser | None = None
+        self._reader = ChunkReader(parsing)
         self._last: GenerationChunk | None = None
         self._finish: str | None = None
 
@@ -216,22 +216,13 @@ class ResponseBuilder:
         """The events of one worker chunk; a worker error raises APIError."""
         if chunk.error is not None:
             raise APIError.from_info(chunk.error, WORKER_PARAM_NAMES)
-        events = self.items.add(self._parse(chunk))
+        events = self.items.add(self._reader.read(chunk))
         if chunk.finish_reason is not None:
             self._finish = chunk.finish_reason
             events += self.items.finish("incomplete" if chunk.finish_reason == "length" else "completed")
         self._last = chunk
         return events
 
-    def _parse(self, chunk: GenerationChunk) -> ParsedDelta:
-        if not self.parsing.active:
-            return ParsedDelta(content=chunk.text)
-        if self._parser is None:
-            self._parser = self.parsing.new_choice(chunk.reasoning_open)
-        parsed = self._parser.push(chunk.text, len(chunk.token_ids))
-        if chunk.finish_reason is not None:
-            parsed = parsed.extend(self._parser.finish())
-        return parsed
 
     def response(self, status: str | None = None, error: APIError | None = None) -> Response:
         """The response so far: `status` given (in_progress, failed), else as the finish says."""
@@ -269,7 +260,7 @@ class ResponseBuilder:
             input_tokens_details=InputTokensDetails(cached_tokens=last.cached_tokens or 0),
             output_tokens=last.completion_tokens,
             output_tokens_details=OutputTokensDetails(
-                reasoning_tokens=self._parser.reasoning_tokens if self._parser else 0),
+                reasoning_tokens=self._reader.reasoning_tokens),
             total_tokens=last.prompt_tokens + last.completion_tokens,
         )
 

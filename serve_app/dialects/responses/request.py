@@ -14,13 +14,12 @@ from pydantic import (
     Discriminator,
     Field,
     Tag,
-    ValidationError,
     field_validator,
     model_validator,
 )
 
 from serve_app.http.errors import APIError, field_rule, unsupported
-from serve_app.schema.body_paths import body_path_error
+from serve_app.schema.body_paths import BodyPathErrors
 from serve_app.schema.common import RequestModel
 from serve_app.schema.structured_outputs import StructuredOutputFields
 from serve_app.schema.tools import FunctionDefinition
@@ -215,7 +214,7 @@ class TextConfig(RequestModel):
 MAX_METADATA_KEYS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
 
-class ResponsesRequest(StructuredOutputFields, RequestModel):
+class ResponsesRequest(BodyPathErrors, StructuredOutputFields, RequestModel):
     """OpenAI's Responses request; vLLM's `structured_outputs` / `guided_*` fields too
     (serve_app/schema/structured_outputs.py), as on chat."""
 
@@ -241,14 +240,6 @@ class ResponsesRequest(StructuredOutputFields, RequestModel):
     background: bool | None = None
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
-
-    @model_validator(mode="wrap")
-    @classmethod
-    def _errors_name_body_paths(cls, data: Any, handler) -> ResponsesRequest:
-        try:
-            return handler(data)
-        except ValidationError as exc:
-            raise field_rule(body_path_error(exc, data)) from None
 
     @field_validator("metadata")
     @classmethod
