@@ -280,3 +280,31 @@ def test_the_responses_route_takes_structured_outputs(client, stream):
     else:
         response = client.responses.create(**kwargs)
     assert response.status == "completed" and response.output_text in options, response.output_text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_structural_tag_holds_every_segment_it_opens(tiny_app, stream):
+    """vLLM's structural tag with a trigger the random model writes often ("a"): each "a" must
+    be followed by an integer and "!"; the text between is free (so the cap ends it)."""
+    tag = {"type": "structural_tag", "triggers": ["a"],
+           "structures": [{"begin": "a", "schema": {"type": "integer"}, "end": "!"}]}
+    body = {"model": TINY_MODEL_ID, "messages": MESSAGES, "n": 2, "temperature": 1.0, "seed": 5, "max_tokens": 64,
+            "stream": stream, "response_format": tag}
+    texts: dict[int, str] = {}
+    if stream:
+        with httpx.stream("POST", tiny_app + "/v1/chat/completions", json=body, timeout=120) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:])["choices"]:
+                        texts[choice["index"]] = texts.get(choice["index"], "") + (choice["delta"].get("content") or "")
+    else:
+        resp = httpx.post(tiny_app + "/v1/chat/completions", json=body, timeout=120)
+        assert resp.status_code == 200, resp.text
+        texts = {c["index"]: c["message"]["content"] for c in resp.json()["choices"]}
+    assert set(texts) == {0, 1} and sum(t.count("a") for t in texts.values()) > 0, texts
+    for text in texts.values():
+        segments = text.split("a")[1:]
+        for i, segment in enumerate(segments):
+            whole = re.match(r"-?(0|[1-9][0-9]*)!", segment)
+            assert whole or (i == len(segments) - 1 and re.fullmatch(r"-?[0-9]*", segment)), (text, segment)
