@@ -36,6 +36,7 @@ from serve_app.output.tool_parser_base import (
     grammar_functions,
     lit,
     repeats,
+    tagged_calls_grammar,
     tool_list,
 )
 from serve_app.schema.tools import Tool
@@ -154,11 +155,7 @@ class DeepSeekV3ToolParser(TaggedToolParser):
             *(f"fn_{i}: {lit(f.name + chr(10) + '```json' + chr(10))} {arguments_json(f, bind_all or bool(f.strict))}"
               for i, f in enumerate(functions)),
         ]
-        if bind_all:
-            top = [f"start: {lit(CALLS_BEGIN)} calls"]
-        else:  # free text, or text and calls once the model opens them (a lazy trigger)
-            top = ["start: TEXT | trigger calls", "TEXT: /(.|\\n)*/", f"trigger[lazy]: TEXT {lit(CALLS_BEGIN)}"]
-        return "%llguidance {}\n" + "\n".join(top + rules) + "\n"
+        return tagged_calls_grammar(CALLS_BEGIN, rules, bind_all)
 
     @classmethod
     def tool_prompt(cls, tools: list[Tool]) -> ToolPrompt:

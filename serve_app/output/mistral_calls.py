@@ -39,6 +39,7 @@ from serve_app.output.tool_parser_base import (
     grammar_functions,
     lit,
     repeats,
+    tagged_calls_grammar,
     tool_list,
 )
 from serve_app.schema.tools import Tool
@@ -191,11 +192,7 @@ class MistralToolParser(TaggedToolParser):
             *(f"fn_{i}: {lit(f.name)} {lit(ARGS)}? {arguments_json(f, bind_all or bool(f.strict))}"
               for i, f in enumerate(functions)),
         ]
-        if bind_all:
-            top = [f"start: {lit(TOOL_CALLS)} calls"]
-        else:  # free text, or text and calls once the model writes the tag (a lazy trigger)
-            top = ["start: TEXT | trigger calls", "TEXT: /(.|\\n)*/", f"trigger[lazy]: TEXT {lit(TOOL_CALLS)}"]
-        return "%llguidance {}\n" + "\n".join(top + rules) + "\n"
+        return tagged_calls_grammar(TOOL_CALLS, rules, bind_all)
 
     @classmethod
     def tool_prompt(cls, tools: list[Tool]) -> ToolPrompt:

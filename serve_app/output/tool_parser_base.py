@@ -169,6 +169,17 @@ def lit(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+def tagged_calls_grammar(open_tag: str, rules: list[str], bind_all: bool) -> str:
+    """A format whose calls follow `open_tag` (rules define `calls`): forced, the output is
+    the tag and calls; else free text, in which writing the tag (a lazy trigger) commits the
+    model to valid calls."""
+    if bind_all:
+        top = [f"start: {lit(open_tag)} calls"]
+    else:
+        top = ["start: TEXT | trigger calls", "TEXT: /(.|\\n)*/", f"trigger[lazy]: TEXT {lit(open_tag)}"]
+    return "%llguidance {}\n" + "\n".join(top + rules) + "\n"
+
+
 def json_value(schema: dict[str, Any]) -> str:
     """A Lark `%json` item for `schema`, written compactly."""
     return "%json " + json.dumps({**schema, "x-guidance": COMPACT}, ensure_ascii=False)
