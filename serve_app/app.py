@@ -32,11 +32,14 @@ def build_app(args: dict[str, Any]) -> Application:
     config = parse_app_config(args)
     check_placement(config, cluster_nodes())
     workers, prefills = {}, {}
+    tracing = config.server.tracing.model_dump() if config.server.tracing.enabled else None
     for model in config.models:
         if model.disaggregation is not None:
-            prefills[model.id] = worker_deployment(model, config, "prefill").bind(model.model_dump(), None, "prefill")
+            prefills[model.id] = worker_deployment(model, config, "prefill").bind(model.model_dump(), None, "prefill",
+                                                                                  tracing)
         side = "decode" if model.disaggregation is not None else "colocated"
-        workers[model.id] = worker_deployment(model, config).bind(model.model_dump(), prefills.get(model.id), side)
+        workers[model.id] = worker_deployment(model, config).bind(model.model_dump(), prefills.get(model.id), side,
+                                                                  tracing)
     registry = LoraRegistry.bind() if any(m.lora is not None for m in config.models) else None
     return ChatIngress.options(**config.ingress.serve_options()).bind(config.model_dump(), workers, registry,
                                                                       prefills)

@@ -68,6 +68,7 @@ from serve_app.http.metrics import (
 )
 from serve_app.http.request_body import parse_request, read_json_body
 from serve_app.http.session import current_session, remember_session
+from serve_app.http.tracing import IngressTracing
 from serve_app.lora.adapters import (
     AdapterCatalog,
     LoadLoraAdapterRequest,
@@ -191,6 +192,7 @@ class ChatIngress(HandleAPI):
         self.metrics = IngressMetrics(list(workers), list(prefills))  # this replica's own registry
         # Each dialect's own state on this replica (the responses store), by route.
         self.dialect_states = {d.path: d.state(self.config.server) for d in DIALECTS if d.state is not None}
+        self.tracing = IngressTracing.from_config(self.config.server.tracing)  # None: not configured
         route_request_log_to_serve()
 
     def _transport(self, model: str, handle: DeploymentHandle, prefill: DeploymentHandle | None) -> WorkerChannels:
@@ -321,10 +323,13 @@ class ChatIngress(HandleAPI):
         entry = self.dialect_states[RESPONSES.path].get(response_id, param=None)
         return Response(entry.body, media_type="application/json")
 
-    async def _parse(self, request: Request, model_cls: type) -> Any:
+    async def _parse(self, request: Request, model_cls: type, traced: bool = False) -> Any:
         """API key, then body size, JSON and fields: the request model or an APIError.
-        Starts the request's metrics record (finished by _generate or the error handlers)."""
+        Starts the request's metrics record (finished by _generate or the error handlers),
+        and its spans when `traced` (a generating route) and tracing is configured."""
         record = self.metrics.begin(_route_path(request))
+        if traced and self.tracing is not None:
+            record.trace = self.tracing.begin(record, request.method, request.headers)
         self.auth.check(request.headers)
         data = await read_json_body(request, self.config.server.max_request_bytes)
         req = parse_request(model_cls, data)
@@ -351,19 +356,23 @@ class ChatIngress(HandleAPI):
         """Every dialect's route: the body parsed, the worker request prepared (`_prepare`),
         the session key added, the worker called, and its chunks streamed as SSE or
         accumulated into one JSON body; finishes the request's metrics record."""
-        req = await self._parse(request, dialect.request_model)
+        req = await self._parse(request, dialect.request_model, traced=True)
         prepared = await self._prepare(dialect, req, stream=req.stream)
         record = current_record() or self.metrics.begin("")
         gen_requests = prepared.requests
         record.request_id = prepared.request_id
         if (session_key := current_session()) is not None:
             gen_requests = tuple(dataclasses.replace(r, session_key=session_key) for r in gen_requests)
+        if record.trace is not None:
+            gen_requests = record.trace.worker_requests(gen_requests, req.model)
         output = prepared.output
         try:
             if len(gen_requests) == 1:
                 call = await call_worker(prepared.transport, gen_requests[0], dialect.param_names, record)
             else:
                 call = await call_workers(prepared.transport, gen_requests, dialect.param_names, record)
+            if record.trace is not None:
+                record.trace.first_chunk()
             if req.stream:
                 return StreamingResponse(relay(output.events(call.first, call.rest), call, record),
                                          media_type="text/event-stream")

@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from workers.contract.model_config import DeploymentConfig, ModelConfig
+from workers.contract.tracing import TracingConfig
 
 
 class ConfigError(ValueError):
@@ -83,6 +84,9 @@ class ServerOptions(BaseModel):
     )
     media: MediaOptions = Field(MediaOptions(), description="where images in chat messages may come from")
     responses: ResponsesOptions = Field(ResponsesOptions(), description="the /v1/responses store of each ingress replica")
+    tracing: TracingConfig = Field(
+        TracingConfig(), description="OpenTelemetry spans of each request (ingress and worker), exported over OTLP/HTTP; "
+        "off while otlp_traces_endpoint is unset")
 
 
 class AppConfig(BaseModel):

@@ -235,7 +235,7 @@ class RequestRecord:
 
     __slots__ = ("metrics", "route", "model", "request_id", "stream", "start", "status", "ttft_ms",
                  "decode_sum_ms", "decode_count", "queue_ms", "prompt_tokens", "completion_tokens", "error_type",
-                 "error_message", "finish_reasons", "e2e_s", "finished")
+                 "error_message", "finish_reasons", "e2e_s", "finished", "trace")
 
     def __init__(self, metrics: IngressMetrics, route: str) -> None:
         self.metrics = metrics
@@ -256,6 +256,7 @@ class RequestRecord:
         self.finish_reasons: list[str] = []
         self.e2e_s = 0.0
         self.finished = False
+        self.trace = None  # the request's spans (serve_app/http/tracing.py), when traced
 
     def set_request(self, req: object) -> None:
         """After validation: the model (if served) and the stream flag."""
@@ -301,6 +302,11 @@ class RequestRecord:
                 request_logger.info(self.log_line())
         except Exception:  # metrics must never fail a request
             logger.exception("recording request metrics failed")
+        if self.trace is not None:
+            try:
+                self.trace.finish(self)
+            except Exception:  # nor must tracing
+                logger.exception("ending the request's spans failed")
 
     def log_line(self) -> str:
         """One JSON object: no prompt or output text, no keys, no client-supplied strings.

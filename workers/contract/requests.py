@@ -73,4 +73,8 @@ class GenerateRequest:
     # Keeps a conversation on one worker replica (the router's prefix-aware choice,
     # serve_app/transport/prefix_routing.py): the `x-session-id` header, else the body's `user`.
     session_key: str | None = None
+    # The W3C `traceparent` (and `tracestate`) of the ingress's span for this request, set
+    # only when that span is sampled (workers/contract/tracing.py): the worker's spans are
+    # its children. None: the request is not traced.
+    trace_context: dict[str, str] | None = None
 

@@ -42,6 +42,7 @@ from workers.serving.embeddings import Embeddings
 from workers.serving.engine_build import BuiltEngine, build_engine, vision_prompts
 from workers.serving.kv_handoffs import KVHandoffs
 from workers.serving.request_processor import RequestProcessor, Timeouts
+from workers.serving.request_trace import WorkerTracing
 from workers.serving.tokenization import Tokenization
 
 logger = logging.getLogger(__name__)
@@ -82,9 +83,11 @@ def _resident_bytes() -> int:
 
 @serve.deployment(name="ModelWorker", health_check_period_s=10, health_check_timeout_s=30)
 class ModelWorker:
-    def __init__(self, model_config: dict, prefill: DeploymentHandle | None = None, side: str = "colocated") -> None:
+    def __init__(self, model_config: dict, prefill: DeploymentHandle | None = None, side: str = "colocated",
+                 tracing: dict | None = None) -> None:
         """`prefill`: the model's prefill deployment, for a decode replica (disaggregation);
-        `side`: colocated, prefill or decode."""
+        `side`: colocated, prefill or decode; `tracing`: the app's `server.tracing`
+        (workers/contract/tracing.py; None or no endpoint: no spans)."""
         route_to_serve_log(logging.getLogger("workers"))  # the ready line, the packing probe, engine errors
         self.config = ModelConfig.model_validate(model_config)
         built: list[BuiltEngine] = []
@@ -114,7 +117,8 @@ class ModelWorker:
         handoffs = KVHandoffs(self.engine, _replica_id(), self._take_from_prefill if prefill is not None else None)
         self.processor = RequestProcessor(self.engine, loaded.tokenizer, timeouts, vision_prompts(loaded, self.config),
                                           stream_interval=engine_config.stream_interval,
-                                          default_max_tokens=self.config.default_max_tokens, handoffs=handoffs)
+                                          default_max_tokens=self.config.default_max_tokens, handoffs=handoffs,
+                                          tracing=WorkerTracing.from_config(tracing, self.config.id, side))
         self.tokenization = Tokenization(loaded.tokenizer, self.processor.prompts, self.processor.max_model_len,
                                          self.processor.vision)
         self.embeddings = Embeddings(self.engine, loaded.tokenizer, self.config.pooler_config,

@@ -9,7 +9,8 @@ KV blocks are freed. A request that resumes a broken stream (`GenerateRequest.re
 first replays what its client has, then sends only new text. Prefill/decode
 disaggregation (workers/serving/kv_handoffs.py): a prefill replica's request ends once
 each choice has its first token, with a hand-over chunk; a decode replica's takes the
-hand-over's KV blocks into its cache before it is queued.
+hand-over's KV blocks into its cache before it is queued. A traced request's chunks pass
+through its `TracedRequest` (workers/serving/request_trace.py), which writes its spans at the end.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from workers.serving.async_engine import AsyncEngine
 from workers.serving.choice_output import ChoiceOutput, Usage
 from workers.serving.kv_handoffs import KVHandoffs
 from workers.serving.outbox import ChunkOutbox
+from workers.serving.request_trace import TracedRequest, WorkerTracing
 from workers.text.prompts import Prompt, PromptBuilder
 from workers.text.vision_prompts import VisionPromptBuilder
 
@@ -43,11 +45,13 @@ __all__ = ["RequestProcessor", "Timeouts"]
 class RequestProcessor:
     def __init__(self, engine: AsyncEngine, tokenizer, timeouts: Timeouts = Timeouts(),
                  vision: VisionPromptBuilder | None = None, stream_interval: int = 1,
-                 default_max_tokens: int | None = None, handoffs: KVHandoffs | None = None) -> None:
+                 default_max_tokens: int | None = None, handoffs: KVHandoffs | None = None,
+                 tracing: WorkerTracing | None = None) -> None:
         """`stream_interval`: after the first token, a chunk goes out once this many tokens
         per choice are waiting (or the request ends): fewer, larger messages, at the price
         of a burstier stream. `default_max_tokens`: the output cap of a request that names
-        none (None: the rest of the window)."""
+        none (None: the rest of the window). `tracing`: spans of traced requests
+        (workers/serving/request_trace.py); None: tracing is not configured."""
         self.engine = engine
         self.default_max_tokens = default_max_tokens
         self.timeouts = timeouts
@@ -57,6 +61,7 @@ class RequestProcessor:
         self.vision = vision  # vision-language models only
         self.max_model_len = engine.limits.max_model_len
         self.handoffs = handoffs or KVHandoffs(engine)
+        self.tracing = tracing
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[list[GenerationChunk]]:
         """The request's chunks, everything pending at each wake-up as one list (one message)."""
@@ -88,7 +93,17 @@ class RequestProcessor:
         """The request from admission to its end, its chunks put in `outbox` under its
         request id; cancelling this coroutine aborts the request."""
         arrival = time.perf_counter()
+        trace = None if self.tracing is None else self.tracing.begin(request, outbox, arrival)
+        if trace is None:
+            return await self._run(request, outbox, arrival)
+        with trace:  # its chunks pass through the trace; leaving it writes the request's spans
+            await self._run(request, trace, arrival, trace)
+
+    async def _run(self, request: GenerateRequest, outbox: ChunkOutbox, arrival: float,
+                   trace: TracedRequest | None = None) -> None:
         active = await self.admit(request, outbox, arrival)
+        if trace is not None:
+            trace.admitted()
         if active is None:
             return
         try:

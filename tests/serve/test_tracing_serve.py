@@ -1,0 +1,90 @@
+"""Tracing through Ray Serve: the tiny app with `server.tracing` pointing at a collector on
+loopback in this process. A chat request with a client `traceparent` gives the ingress
+replica's spans and the worker replica's spans, each posted by its own process over
+OTLP/HTTP, in the client's trace, the worker's under the ingress's server span."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+import time
+
+import httpx
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+)
+
+from tests.support.serve_fixtures import (
+    TINY_MODEL_ID,
+    delete_app,
+    run_app,
+    tiny_app_args,
+)
+from tests.support.tracing import CLIENT_SPAN_ID, CLIENT_TRACE_ID, TRACEPARENT
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+APP = "traced"
+
+
+class Collector(http.server.BaseHTTPRequestHandler):
+    spans: list = []  # (service name, span) of every span received
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        export = ExportTraceServiceRequest.FromString(self.rfile.read(int(self.headers["Content-Length"])))
+        for resource_spans in export.resource_spans:
+            service = {a.key: a.value.string_value for a in resource_spans.resource.attributes}["service.name"]
+            for scope_spans in resource_spans.scope_spans:
+                self.spans.extend((service, span) for span in scope_spans.spans)
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def collector():
+    Collector.spans = []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Collector)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}/v1/traces"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="module")
+def traced_app(serve_instance, tiny_model_dir, collector):
+    args = tiny_app_args(tiny_model_dir)
+    args["server"] = {"tracing": {"otlp_traces_endpoint": collector, "service_name": "chatserve-traced"}}
+    yield run_app(serve_instance, APP, args)
+    delete_app(APP)
+
+
+def test_ingress_and_worker_spans_reach_the_collector_in_the_clients_trace(traced_app):
+    body = {"model": TINY_MODEL_ID, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}],
+            "ignore_eos": True}
+    reply = httpx.post(traced_app + "/v1/chat/completions", json=body, headers={"traceparent": TRACEPARENT},
+                       timeout=60)
+    assert reply.status_code == 200
+    wanted = {"POST /v1/chat/completions", "chatserve.parse", "chatserve.stream", "chatserve.worker",
+              "chatserve.admit", "chatserve.queue", "chatserve.prefill", "chatserve.decode"}
+    deadline = time.time() + 30  # each process exports its batch within 5 s
+    while time.time() < deadline:
+        ours = {span.name: span for service, span in Collector.spans
+                if int.from_bytes(span.trace_id, "big") == CLIENT_TRACE_ID}
+        if wanted <= set(ours):
+            break
+        time.sleep(0.5)
+    assert set(ours) == wanted
+    assert {service for service, _ in Collector.spans} == {"chatserve-traced"}
+    server, worker = ours["POST /v1/chat/completions"], ours["chatserve.worker"]
+    assert int.from_bytes(server.parent_span_id, "big") == CLIENT_SPAN_ID
+    assert worker.parent_span_id == server.span_id
+    assert ours["chatserve.decode"].parent_span_id == worker.span_id
+    attributes = {a.key: a.value for a in worker.attributes}
+    assert attributes["gen_ai.usage.output_tokens"].int_value == 4
+    assert attributes["gen_ai.request.model"].string_value == TINY_MODEL_ID
+    assert reply.json()["id"] == attributes["chatserve.request_id"].string_value
