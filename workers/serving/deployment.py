@@ -121,8 +121,9 @@ class ModelWorker:
                                           tracing=WorkerTracing.from_config(tracing, self.config.id, side))
         self.tokenization = Tokenization(loaded.tokenizer, self.processor.prompts, self.processor.max_model_len,
                                          self.processor.vision)
-        self.embeddings = Embeddings(self.engine, loaded.tokenizer, self.config.pooler_config,
-                                     loaded.model.config.hidden_size, _embedding_refusal(self._shards, self.processor))
+        hidden_size = loaded.model.config.get_text_config().hidden_size  # a VLM's is its text model's
+        self.embeddings = Embeddings(self.engine, loaded.tokenizer, self.config.pooler_config, hidden_size,
+                                     _embedding_refusal(self._shards, self.processor))
         self.channels = ChannelRegistry()
         self._requests_by_channel = self._requests_by_call = 0
         self.adapters = WorkerAdapters(self.engine, self.config.lora, multiplexed=True)
