@@ -33,6 +33,7 @@ from typing import Any
 
 from serve_app.output.call_deltas import CallDelta
 from serve_app.output.call_reader import new_call_id
+from serve_app.output.json_object_end import BalancedEnd
 from serve_app.output.tool_parser_base import (
     ToolOutput,
     ToolParser,
@@ -53,54 +54,13 @@ PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 _HEAD = re.compile(r"\[\s*([A-Za-z0-9_-]*)\s*(\()?")
 _HEAD_LIMIT = 256
 _CALL_NAME = re.compile(r"\s*([A-Za-z0-9_-]{1,64})\s*\(")  # function names may hold "-"
-_OUTSIDE = re.compile(r"[()\[\]{}'\"]")
-_INSIDE = {"'": re.compile(r"['\\]"), '"': re.compile(r'["\\]')}
-_OPENERS, _CLOSERS = "([{", ")]}"
 _LITERAL_NAMES = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
 
 
-class _ElementEnd:
-    """Where one element of the list ends, in text that arrives piece by piece: past the
-    parenthesis that closes its call, or at a stray closing bracket (the list's own `]`).
-    Brackets inside string literals are skipped; each piece is scanned once."""
-
-    def __init__(self) -> None:
-        self._depth = 0
-        self._quote: str | None = None
-        self._escaped = False
-
-    def feed(self, text: str) -> int | None:
-        i = 0
-        if self._escaped and text:
-            self._escaped, i = False, 1
-        while i < len(text):
-            if self._quote is not None:
-                found = _INSIDE[self._quote].search(text, i)
-                if found is None:
-                    return None
-                if found.group() == "\\":
-                    if found.end() == len(text):
-                        self._escaped = True
-                        return None
-                    i = found.end() + 1
-                    continue
-                self._quote, i = None, found.end()
-                continue
-            found = _OUTSIDE.search(text, i)
-            if found is None:
-                return None
-            char, i = found.group(), found.end()
-            if char in "'\"":
-                self._quote = char
-            elif char in _OPENERS:
-                self._depth += 1
-            elif self._depth == 0:
-                return i - 1  # a closing bracket of the list: the element ends before it
-            else:
-                self._depth -= 1
-                if self._depth == 0:
-                    return i
-        return None
+def _element_end() -> BalancedEnd:
+    """Where one element of the list ends: past the parenthesis that closes its call, or
+    at a stray closing bracket (the list's own `]`); brackets in string literals skipped."""
+    return BalancedEnd("([{", ")]}", "'\"", stray_ends=True)
 
 
 def _literal(node: ast.expr) -> Any:
@@ -153,7 +113,7 @@ class PythonicToolParser(ToolParser):
         self._buffer = ""  # undecided text (the head; between elements; after the list)
         self._raw = ""  # all the text, until a call is sent: the answer if it is no calls
         self._parts: list[str] = []  # the current element's text
-        self._end = _ElementEnd()
+        self._end = _element_end()
 
     def push(self, text: str) -> ToolOutput:
         out = ToolOutput()
@@ -200,7 +160,7 @@ class PythonicToolParser(ToolParser):
             self._parts.append(text)
             return None
         element = "".join(self._parts) + text[:end]
-        self._parts, self._end, self._state = [], _ElementEnd(), "between"
+        self._parts, self._end, self._state = [], _element_end(), "between"
         call = pythonic_call(element, self.names)
         if call is not None:
             out.calls.append(CallDelta(self._next_index(), call[1], new_call_id(), call[0], done=True))

@@ -162,10 +162,8 @@ def messages_param(param: str) -> str:
     head, _, rest = param.partition(".")
     if head == "tools" and ".function" in param:
         return param.replace(".function", "", 1).replace(".parameters", ".input_schema", 1)
-    if head == "messages":
-        return "messages"
-    if head in ("continue_final_message", "add_generation_prompt"):
-        return "messages"
+    if head in ("messages", "continue_final_message", "add_generation_prompt"):
+        return "messages"  # a chat message index (or the ending) says nothing about the turns
     if head in _CHAT_PARAMS:
         renamed = _CHAT_PARAMS[head]
         return f"{renamed}.{rest}" if rest else renamed
