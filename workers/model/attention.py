@@ -114,12 +114,14 @@ def paged_attention(
 
 
 def attend_packed(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-                  layer: LayerAttention) -> torch.Tensor:
+                  layer: LayerAttention, cached: bool = False) -> torch.Tensor:
     """One layer's attention over the packed batch, in the packed layout: q [T, H, Dh] and
-    the new tokens' k/v [T, KVH, Dh] -> [T, H, Dh]. Writes k/v into their cache slots first."""
+    the new tokens' k/v [T, KVH, Dh] -> [T, H, Dh]. Writes k/v into their cache slots first
+    (unless `cached`: the caller wrote them)."""
     k_cache, v_cache = meta.kv_cache.layer(layer_idx)
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    if not cached:
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
     out = q.new_empty(q.shape)
     num_decode = meta.num_decode_tokens
     kernel = cpu_decode_attention() if meta.cpu_decode else None

@@ -27,6 +27,7 @@ OpenMP runtime runs the tasks. */
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
+#include "../native/vector_math.h"
 
 enum { DT_FLOAT32 = 0, DT_BFLOAT16 = 1, DT_FLOAT16 = 2 };
 #define MAX_BLOCK 256  /* block sizes up to this many tokens */
@@ -110,25 +111,6 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define VECTOR_PATH 1
-/* e^x for x <= 0 (softmax terms), 8 at a time: Cephes' expf polynomial after x = n ln 2 + r;
-   within 2 ulp of expf, and 0 below -87. */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
 /* q . each of 8 rows `stride` floats apart (n a multiple of 8), as one vector: the 8
    accumulators summed across by a fixed tree of hadds (no per-row horizontal sum). */
 static inline __m256 dot8(const float *q, const float *rows, int64_t stride, int64_t n) {
@@ -345,5 +327,39 @@ int paged_decode_attention(int dtype, const void *q, int64_t q_stride, const voi
         }
     }
     free(seq_first), free(task_seq), free(work);
+    return 0;
+}
+
+/* ---- The attention's inputs: rotary positions and the cache write, in one pass ----
+   qkv [T, heads + 2 kv_heads, head_dim] float32 (a fused q/k/v product's rows): q and k
+   heads rotated in place as transformers rotates them, x * cos + roll(x, head_dim / 2) *
+   signed_sin (the sine's first half negated: direct_forward.py), each product and the sum
+   rounded on its own as torch's three operators round them (no fused multiply-add: the
+   same bits); then each token's k and v heads copied to its cache slot. cos / signed_sin
+   [T, head_dim]; slots [T] int64; caches [slots, kv_heads, head_dim]. */
+#define MAX_HEAD_DIM 1024
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+static void rotate_row(float *x, const float *cos, const float *signed_sin, int64_t head_dim, float *tmp) {
+    const int64_t half = head_dim / 2;
+    for (int64_t i = 0; i < half; i++) tmp[i] = x[i] * cos[i] + x[i + half] * signed_sin[i];
+    for (int64_t i = half; i < head_dim; i++) tmp[i] = x[i] * cos[i] + x[i - half] * signed_sin[i];
+    memcpy(x, tmp, (size_t)head_dim * sizeof(float));
+}
+#pragma GCC pop_options
+
+int rotate_and_cache(float *qkv, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                     const float *cos, const float *signed_sin, const int64_t *slots, float *k_cache,
+                     float *v_cache, int threads) {
+    if (head_dim % 2 || head_dim > MAX_HEAD_DIM) return 1;
+    const int64_t width = (heads + 2 * kv_heads) * head_dim, kv_width = kv_heads * head_dim;
+#pragma omp parallel for schedule(static) num_threads(threads) if (tokens * width >= SERIAL_WORK)
+    for (int64_t t = 0; t < tokens; t++) {
+        float tmp[MAX_HEAD_DIM], *row = qkv + t * width;
+        for (int64_t h = 0; h < heads + kv_heads; h++)
+            rotate_row(row + h * head_dim, cos + t * head_dim, signed_sin + t * head_dim, head_dim, tmp);
+        memcpy(k_cache + slots[t] * kv_width, row + heads * head_dim, (size_t)kv_width * sizeof(float));
+        memcpy(v_cache + slots[t] * kv_width, row + (heads + kv_heads) * head_dim, (size_t)kv_width * sizeof(float));
+    }
     return 0;
 }

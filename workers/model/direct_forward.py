@@ -34,7 +34,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model.attention import AttentionMetadata, LayerAttention, attend_packed
+from workers.model.cpu_attention import cpu_decode_attention
 from workers.model.fused_projections import ProjectionSlice
+from workers.quant.native_kernels import PROLOGUE_RMS_NORM, PROLOGUE_SILU_GATE
+from workers.quant.quantized_layers import QuantizedLinear
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +81,40 @@ LINEAR_KINDS = ("Linear", "PackedLinear", "LoraLinear", "QuantizedLinear", "Devi
 
 
 @dataclass(frozen=True)
+class _FusedNorms:
+    """A layer whose four products are 8-bit QuantizedLinears: its RMSNorms and SiLU run
+    inside them (cpu_kernels.c's prologues) and o_proj and down_proj add into the residual
+    stream in place: five calls a layer instead of some twenty small operators."""
+
+    input: torch.Tensor  # RMSNorm weights, float32
+    post: torch.Tensor
+    eps: float
+
+
+def _norm_weights(module: nn.Module) -> tuple[torch.Tensor, float] | None:
+    """A float32 RMSNorm's (weight, eps), or None for another dtype."""
+    weight = module.weight
+    return (weight.detach().contiguous(), float(module.variance_epsilon)) if weight.dtype == torch.float32 else None
+
+
+def _fused_norms(layer: nn.Module, products: tuple[nn.Module, ...], act: nn.Module) -> _FusedNorms | None:
+    """The layer's _FusedNorms where the fused path computes it, else None."""
+    qkv, o_proj, gate_up, down_proj = products
+    if not all(type(m) is QuantizedLinear for m in products) or type(act).__name__ not in SILU_KINDS:
+        return None
+    if not (qkv.fusable() and gate_up.fusable() and o_proj.fusable(accumulate=True)
+            and down_proj.fusable(accumulate=True)):
+        return None
+    norms = _norm_weights(layer.input_layernorm), _norm_weights(layer.post_attention_layernorm)
+    if norms[0] is None or norms[1] is None or norms[0][1] != norms[1][1]:
+        return None
+    return _FusedNorms(norms[0][0], norms[1][0], norms[0][1])
+
+
+SILU_KINDS = ("SiLU", "SiLUActivation")
+
+
+@dataclass(frozen=True)
 class _Layer:
     index: int
     input_norm: Norm
@@ -93,6 +130,7 @@ class _Layer:
     kv_heads: int
     head_dim: int
     intermediate: int
+    fused: _FusedNorms | None  # its norms and activation inside its quantized products
 
 
 def _rms_norm(module: nn.Module) -> Norm:
@@ -151,12 +189,18 @@ class DirectForward:
         world = shards.world if shards is not None else 1
         heads, kv_heads = config.num_attention_heads // world, config.num_key_value_heads // world
         layers = layers if layers is not None else range(len(body.layers))
-        self.layers = [self._layer(model, index - layers.start, body.layers[index], heads, kv_heads)
+        self.layers = [self._layer(model, index - layers.start, body.layers[index], heads, kv_heads,
+                                   fusable=shards is None)
                        for index in layers]
+        head_norm = _norm_weights(body.norm)
+        self.fused_head = (head_norm if shards is None and head_norm is not None
+                           and type(self.lm_head) is QuantizedLinear and self.lm_head.fusable() else None)
 
     @staticmethod
-    def _layer(model: nn.Module, index: int, layer: nn.Module, heads: int, kv_heads: int) -> _Layer:
+    def _layer(model: nn.Module, index: int, layer: nn.Module, heads: int, kv_heads: int, fusable: bool) -> _Layer:
+        """`fusable`: the layer may run fused (not on a tensor shard, whose products are partial sums)."""
         attn, mlp = layer.self_attn, layer.mlp
+        products = attn.q_proj.fused.linear, attn.o_proj, mlp.gate_proj.fused.linear, mlp.down_proj
         return _Layer(
             index=index,
             input_norm=_rms_norm(layer.input_layernorm),
@@ -172,6 +216,7 @@ class DirectForward:
             kv_heads=kv_heads,
             head_dim=attn.head_dim,
             intermediate=mlp.gate_proj.out_features,
+            fused=_fused_norms(layer, products, mlp.act_fn) if fusable else None,
         )
 
     @torch.inference_mode()
@@ -196,13 +241,23 @@ class DirectForward:
         # the sign moves onto the sine once a step: -(a * b) == a * -b exactly in floats.
         half = sin.shape[-1] // 2
         signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        owned = False  # the fused layers add into x in place: once on a copy of their own
         for layer in self.layers:
+            if layer.fused is not None:
+                if not owned:
+                    x, owned = x.clone(), True
+                self._fused_layer(layer, x, cos, signed_sin, meta)
+                continue
             x = x + self._summed(self._attention(layer, layer.input_norm(x), cos, signed_sin, meta))
             x = x + self._summed(self._mlp(layer, layer.post_norm(x)))
+            owned = True
         return x
 
     def head(self, x: torch.Tensor, logits_to_keep: torch.Tensor) -> torch.Tensor | None:
         """The logits [1, K, vocab] of the kept rows (None on a tensor shard that is not the driver)."""
+        if self.fused_head is not None:
+            weight, eps = self.fused_head
+            return self.lm_head.fused(x[logits_to_keep], PROLOGUE_RMS_NORM, weight, eps).unsqueeze(0)
         logits = self.lm_head(self.final_norm(x[logits_to_keep]))
         if self.shards is not None:
             logits = self.shards.gather_logits(logits, self.vocab_size)
@@ -213,10 +268,32 @@ class DirectForward:
         return partial if self.shards is None else self.shards.all_reduce(partial)
 
     @staticmethod
+    def _fused_layer(layer: _Layer, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                     meta: AttentionMetadata) -> None:
+        """The layer on x [T, hidden] in place: norms and activation inside the products."""
+        norms = layer.fused
+        qkv = layer.qkv.fused(x, PROLOGUE_RMS_NORM, norms.input, norms.eps)
+        layer.o_proj.fused(DirectForward._qkv_attention(layer, qkv, cos, signed_sin, meta), residual=x)
+        gate_up = layer.gate_up.fused(x, PROLOGUE_RMS_NORM, norms.post, norms.eps)
+        layer.down_proj.fused(gate_up, PROLOGUE_SILU_GATE, residual=x)
+
+    @staticmethod
     def _attention(layer: _Layer, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                    meta: AttentionMetadata) -> torch.Tensor:
-        tokens, heads, kv_heads = h.shape[0], layer.heads, layer.kv_heads
-        qkv = layer.qkv(h).view(tokens, heads + 2 * kv_heads, layer.head_dim)
+        return layer.o_proj(DirectForward._qkv_attention(layer, layer.qkv(h), cos, signed_sin, meta))
+
+    @staticmethod
+    def _qkv_attention(layer: _Layer, qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                       meta: AttentionMetadata) -> torch.Tensor:
+        """The fused q/k/v product's rows [T, (H + 2 KVH) * Dh] -> attention output [T, H * Dh]."""
+        tokens, heads, kv_heads = qkv.shape[0], layer.heads, layer.kv_heads
+        qkv = qkv.view(tokens, heads + 2 * kv_heads, layer.head_dim)
+        kernel = cpu_decode_attention() if meta.cpu_decode and layer.head_norms is None else None
+        if kernel is not None and kernel.rotate_and_cache(qkv, heads, kv_heads, cos, signed_sin, meta.slot_mapping,
+                                                          *meta.kv_cache.layer(layer.index)):
+            out = attend_packed(layer.index, qkv[:, :heads], qkv[:, heads:heads + kv_heads],
+                                qkv[:, heads + kv_heads:], meta, layer.attention, cached=True)
+            return out.view(tokens, heads * layer.head_dim)
         qk = qkv[:, : heads + kv_heads]  # q and k heads side by side: rotated in one pass
         if layer.head_norms is not None:
             q_norm, k_norm = layer.head_norms
@@ -224,7 +301,7 @@ class DirectForward:
         qk = qk * cos + qk.roll(layer.head_dim // 2, -1) * signed_sin
         out = attend_packed(layer.index, qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :], meta,
                             layer.attention)
-        return layer.o_proj(out.view(tokens, heads * layer.head_dim))
+        return out.view(tokens, heads * layer.head_dim)
 
     @staticmethod
     def _mlp(layer: _Layer, h: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ from workers.contract.model_config import default_cache_dir
 logger = logging.getLogger(__name__)
 
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+HEADERS = Path(__file__).parent  # the shared headers the C sources include by relative path
 
 
 def compiler() -> str | None:
@@ -64,6 +65,8 @@ def built_library(cc: str, source: Path) -> Path:
 def _build_key(cc: str, source: Path) -> str:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest = hashlib.sha256(source.read_bytes())
+    for header in sorted(HEADERS.glob("*.h")):  # what the sources include (vector_math.h)
+        digest.update(header.read_bytes())
     for part in (version, " ".join(COMPILE_FLAGS), _cpu_flags()):
         digest.update(part.encode())
     return digest.hexdigest()[:16]

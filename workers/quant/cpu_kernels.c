@@ -22,6 +22,7 @@ so both share one thread pool. */
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
+#include "../native/vector_math.h"
 
 /* ggml's type ids, and two of our own that hold GGUF's K-quants exactly, one block of 32
    weights with float32 fields (packed_weights.py converts them at load):
@@ -244,15 +245,68 @@ static inline act_block quantize_block(const float *src, int8_t *dst) {
 }
 #endif
 
-/* x (M x K floats) -> xq (M * levels rows of K int8) and meta (M * levels x K/32). With two
+/* ---- What is done to an activation row before its rounding, fused into the product ----
+   A decode step of a small model is mostly small operators between the products (a norm,
+   an activation, an add: microseconds of dispatch each, whatever the batch); done here, a
+   layer's MLP or attention input is one call. RMSNorm as transformers' LlamaRMSNorm in
+   float32 (x / sqrt(mean(x^2) + eps), times the weight); a gated MLP's silu(gate) * up,
+   the row holding gate then up (2K floats). Each row on its own, in a fixed order: a row's
+   result still does not depend on its batch. */
+enum { PROLOGUE_NONE = 0, PROLOGUE_RMS_NORM = 1, PROLOGUE_SILU_GATE = 2 };
+typedef struct { int kind; const float *weight; float eps; int64_t ldx; } prologue;
+
+static void rms_norm_row(const float *x, int64_t K, const float *weight, float eps, float *out) {
+    float partial[8] = {0};
+    for (int64_t i = 0; i < K; i += 8)  /* K is whole blocks of 32 */
+        for (int j = 0; j < 8; j++) partial[j] += x[i + j] * x[i + j];
+    float sum = ((partial[0] + partial[4]) + (partial[1] + partial[5])) +
+                ((partial[2] + partial[6]) + (partial[3] + partial[7]));
+    float inv = 1.0f / sqrtf(sum / (float)K + eps);
+    for (int64_t i = 0; i < K; i++) out[i] = weight[i] * (x[i] * inv);
+}
+
+/* silu(g) = g * sigmoid(g), the sigmoid from e^-|g| (never overflows): 1 / (1 + e) for
+   g >= 0, e / (1 + e) below. */
+static void silu_gate_row(const float *x, int64_t K, float *out) {
+    const float *gate = x, *up = x + K;
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    for (; i + 8 <= K; i += 8) {
+        __m256 g = _mm256_loadu_ps(gate + i), e = exp8(_mm256_or_ps(g, sign));
+        __m256 sigmoid = _mm256_div_ps(_mm256_blendv_ps(one, e, g), _mm256_add_ps(one, e));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), _mm256_loadu_ps(up + i)));
+    }
+#endif
+    for (; i < K; i++) {
+        float g = gate[i], e = expf(-fabsf(g));
+        out[i] = g * ((g < 0.0f ? e : 1.0f) / (1.0f + e)) * up[i];
+    }
+}
+
+/* Row i of the product's input: x's row (ldx floats apart) after the prologue, in `buffer`
+   when one runs. */
+static inline const float *input_row(const float *x, int64_t i, int64_t K, const prologue *pro, float *buffer) {
+    const float *row = x + i * pro->ldx;
+    switch (pro->kind) {
+        case PROLOGUE_RMS_NORM: rms_norm_row(row, K, pro->weight, pro->eps, buffer); return buffer;
+        case PROLOGUE_SILU_GATE: silu_gate_row(row, K, buffer); return buffer;
+        default: return row;
+    }
+}
+
+/* x (M rows) -> xq (M * levels rows of K int8) and meta (M * levels x K/32). With two
    levels, row 2i holds x's row i rounded and row 2i+1 what that rounding left out (the
-   residual, rounded with its own scale): their sum is within ~1e-4 of x, relative. */
-static void quantize_activations(const float *x, int64_t M, int64_t K, int levels, int8_t *xq, act_block *meta) {
+   residual, rounded with its own scale): their sum is within ~1e-4 of x, relative.
+   `buffer`: K floats for a row after its prologue. */
+static void quantize_activations(const float *x, int64_t M, int64_t K, int levels, int8_t *xq, act_block *meta,
+                                 const prologue *pro, float *buffer) {
     int64_t nblocks = K / QK;
     float residual[QK];
     for (int64_t i = 0; i < M; i++) {
+        const float *row = input_row(x, i, K, pro, buffer);
         for (int64_t b = 0; b < nblocks; b++) {
-            const float *src = x + i * K + b * QK;
+            const float *src = row + b * QK;
             int64_t row = i * levels;
             int8_t *q = xq + row * K + b * QK;
             act_block first = meta[row * nblocks + b] = quantize_block(src, q);
@@ -322,15 +376,20 @@ int quantized_matmul(int fmt, const uint8_t *w, int64_t N, int64_t K, const floa
    call: a row's result does not depend on the batch it is in. */
 #define GROUP_ROWS 8
 #define GEMM_ROWS 4
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 2048
+#endif
 #define RUN_BYTES 4  /* a row's bytes in each 32-byte run */
 
+/* `buffers`: K floats for each task of ROUNDING_ROWS rows. */
+#define ROUNDING_ROWS 16
 static void quantize_activations_parallel(const float *x, int64_t M, int64_t K, int levels, int8_t *xq,
-                                          act_block *meta, int threads) {
-    int64_t chunk = 16;  /* rows a task */
+                                          act_block *meta, const prologue *pro, float *buffers, int threads) {
     #pragma omp parallel for schedule(static) num_threads(threads) if (M * K > 65536)
-    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-        int64_t rows = M - m0 < chunk ? M - m0 : chunk;
-        quantize_activations(x + m0 * K, rows, K, levels, xq + m0 * levels * K, meta + m0 * levels * (K / QK));
+    for (int64_t m0 = 0; m0 < M; m0 += ROUNDING_ROWS) {
+        int64_t rows = M - m0 < ROUNDING_ROWS ? M - m0 : ROUNDING_ROWS;
+        quantize_activations(x + m0 * pro->ldx, rows, K, levels, xq + m0 * levels * K,
+                             meta + m0 * levels * (K / QK), pro, buffers + m0 / ROUNDING_ROWS * K);
     }
 }
 
@@ -399,13 +458,14 @@ static inline void group_fields(int fmt, const uint8_t *blk, __m256 *d_lo, __m25
 static inline __attribute__((always_inline)) void group_rows_q8(int fmt, const uint8_t *group, int64_t nblocks,
                                                                 const int8_t *xq, const act_block *meta,
                                                                 int64_t K, int rows, int levels, float *y,
-                                                                int64_t ldy) {
+                                                                int64_t ldy, int accumulate) {
     const int64_t gbb = GROUP_ROWS * block_bytes(fmt);
     const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(0x0f);
     __m256 acc[GEMM_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nblocks; b++) {
         const uint8_t *blk = group + b * gbb, *qs = blk + GROUP_ROWS * fields_bytes(fmt);
+        for (int64_t line = 0; line < gbb; line += 64) _mm_prefetch((const char *)(blk + PREFETCH_BYTES + line), _MM_HINT_T0);
         __m256 d, d_hi, m;
         group_fields(fmt, blk, &d, &d_hi, &m);
         if (is_q8(fmt)) {
@@ -455,15 +515,18 @@ static inline __attribute__((always_inline)) void group_rows_q8(int fmt, const u
             acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(a->sum), acc[r]);  /* minimum (Q4_0: -8 d) x sum of x */
         }
     }
-    if (levels == 2)
-        for (int r = 0; r < rows; r += 2) _mm256_storeu_ps(y + r / 2 * ldy, _mm256_add_ps(acc[r], acc[r + 1]));
-    else
-        for (int r = 0; r < rows; r++) _mm256_storeu_ps(y + r * ldy, acc[r]);
+    for (int r = 0; r < rows; r += levels) {  /* y = the sum (y + the sum when accumulating: a residual add) */
+        float *out = y + r / levels * ldy;
+        __m256 sum = levels == 2 ? _mm256_add_ps(acc[r], acc[r + 1]) : acc[r];
+        _mm256_storeu_ps(out, accumulate ? _mm256_add_ps(_mm256_loadu_ps(out), sum) : sum);
+    }
 }
 #else
 static void group_rows_portable(int fmt, const uint8_t *group, int64_t nblocks, const int8_t *xq,
-                                const act_block *meta, int64_t K, int rows, int levels, float *y, int64_t ldy) {
+                                const act_block *meta, int64_t K, int rows, int levels, float *y, int64_t ldy,
+                                int accumulate) {
     const int64_t gbb = GROUP_ROWS * block_bytes(fmt);
+    float first[GROUP_ROWS] = {0};  /* with two levels, the first row's sums */
     for (int r = 0; r < rows; r++) {
         float acc[GROUP_ROWS] = {0};
         for (int64_t b = 0; b < nblocks; b++) {
@@ -478,18 +541,25 @@ static void group_rows_portable(int fmt, const uint8_t *group, int64_t nblocks, 
                 acc[lane] += d_lo * a->scale * (float)sum[0] + d_hi * a->scale * (float)sum[1] + m * a->sum;
             }
         }
+        if (levels == 2 && r % 2 == 0) {
+            memcpy(first, acc, sizeof(first));
+            continue;
+        }
         float *out = y + r / levels * ldy;
-        for (int lane = 0; lane < GROUP_ROWS; lane++) out[lane] = r % levels ? out[lane] + acc[lane] : acc[lane];
+        for (int lane = 0; lane < GROUP_ROWS; lane++) {
+            float sum = levels == 2 ? first[lane] + acc[lane] : acc[lane];
+            out[lane] = accumulate ? out[lane] + sum : sum;
+        }
     }
 }
 #endif
 
 static void group_tile(int fmt, const uint8_t *group, int64_t nblocks, const int8_t *xq, const act_block *meta,
-                       int64_t K, int rows, int levels, float *y, int64_t ldy) {
+                       int64_t K, int rows, int levels, float *y, int64_t ldy, int accumulate) {
 #if defined(__AVX2__) && defined(__F16C__)
     /* format, row count and levels constant in each case: one specialized loop each (two
        levels come in whole pairs of rows) */
-#define GROUP_CASE(F, R, L) case R: group_rows_q8(F, group, nblocks, xq, meta, K, R, L, y, ldy); return;
+#define GROUP_CASE(F, R, L) case R: group_rows_q8(F, group, nblocks, xq, meta, K, R, L, y, ldy, accumulate); return;
 #define GROUP_FORMAT(F) case F: \
         if (levels == 2) { switch (rows) { GROUP_CASE(F, 2, 2) default: GROUP_CASE(F, 4, 2) } } \
         switch (rows) { GROUP_CASE(F, 1, 1) GROUP_CASE(F, 2, 1) GROUP_CASE(F, 3, 1) default: GROUP_CASE(F, 4, 1) }
@@ -498,14 +568,15 @@ static void group_tile(int fmt, const uint8_t *group, int64_t nblocks, const int
 #undef GROUP_FORMAT
 #undef GROUP_CASE
 #else
-    group_rows_portable(fmt, group, nblocks, xq, meta, K, rows, levels, y, ldy);
+    group_rows_portable(fmt, group, nblocks, xq, meta, K, rows, levels, y, ldy, accumulate);
 #endif
 }
 
 /* Bytes of `work` interleaved_matmul needs: M * levels * K int8 values and as many / 32
-   act_blocks. */
+   act_blocks, then K floats for each ROUNDING_ROWS rows' prologue. */
 int64_t interleaved_matmul_work_bytes(int64_t M, int64_t K, int levels) {
-    return M * levels * (K + (K / QK) * (int64_t)sizeof(act_block));
+    return M * levels * (K + (K / QK) * (int64_t)sizeof(act_block)) +
+           (M + ROUNDING_ROWS - 1) / ROUNDING_ROWS * K * (int64_t)sizeof(float);
 }
 
 /* y (M x N) = x (M x K, rounded to 8 bits a block, in `levels` (1 or 2) levels, into
@@ -513,17 +584,18 @@ int64_t interleaved_matmul_work_bytes(int64_t M, int64_t K, int levels) {
    GROUP_ROWS). Two levels cost about twice the integer work of one and are within ~1e-4
    of the float product; one is llama.cpp's rounding (~0.5 %). Activation rows are taken a panel at a time, a
    panel's 8-bit rows fitting PANEL_BYTES, so they stay in the L1 cache while every group of
-   weight rows passes. Returns 0, or -1 for an unknown format or a shape the layout does
-   not take. */
+   weight rows passes. `pro`: what is done to each row of x first; `accumulate`: y += the
+   product instead of y = it. Returns 0, or -1 for an unknown format or a shape the layout
+   does not take. */
 #define PANEL_BYTES 16384
-int interleaved_matmul(int fmt, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M, float *y,
-                       void *work, int levels, int threads) {
+static int interleaved_product(int fmt, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M, float *y,
+                               void *work, int levels, int threads, const prologue *pro, int accumulate) {
     int64_t bb = block_bytes(fmt);
     if (bb < 0 || fmt == FMT_F8_F32 || K % QK || N % GROUP_ROWS || (levels != 1 && levels != 2)) return -1;
     int64_t nblocks = K / QK, groups = N / GROUP_ROWS, group_bytes = GROUP_ROWS * nblocks * bb;
     int8_t *xq = (int8_t *)work;
     act_block *meta = (act_block *)(xq + M * levels * K);
-    quantize_activations_parallel(x, M, K, levels, xq, meta, threads);
+    quantize_activations_parallel(x, M, K, levels, xq, meta, pro, (float *)(meta + M * levels * nblocks), threads);
     M *= levels;  /* from here on, rows of quantized activations */
     int64_t panel = PANEL_BYTES / K / GEMM_ROWS * GEMM_ROWS;
     if (panel < GEMM_ROWS) panel = GEMM_ROWS;
@@ -535,11 +607,29 @@ int interleaved_matmul(int fmt, const uint8_t *w, int64_t N, int64_t K, const fl
             for (int64_t m0 = p * panel; m0 < end; m0 += GEMM_ROWS) {
                 int rows = (int)(end - m0 < GEMM_ROWS ? end - m0 : GEMM_ROWS);
                 group_tile(fmt, w + g * group_bytes, nblocks, xq + m0 * K, meta + m0 * nblocks, K, rows, levels,
-                           y + m0 / levels * N + g * GROUP_ROWS, N);
+                           y + m0 / levels * N + g * GROUP_ROWS, N, accumulate);
             }
         }
     }
     return 0;
+}
+
+int interleaved_matmul(int fmt, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M, float *y,
+                       void *work, int levels, int threads) {
+    const prologue none = {PROLOGUE_NONE, NULL, 0.0f, K};
+    return interleaved_product(fmt, w, N, K, x, M, y, work, levels, threads, &none, 0);
+}
+
+/* interleaved_matmul with a prologue on each row of x (rows `ldx` floats apart; a
+   PROLOGUE_SILU_GATE row holds 2K) and, with `accumulate`, y += the product: a layer's
+   norm, activation or residual add done in the product's own passes. */
+int fused_interleaved_matmul(int fmt, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t ldx, int64_t M,
+                             float *y, void *work, int levels, int threads, int prologue_kind,
+                             const float *norm_weight, float eps, int accumulate) {
+    if (prologue_kind < PROLOGUE_NONE || prologue_kind > PROLOGUE_SILU_GATE
+        || (prologue_kind == PROLOGUE_RMS_NORM && norm_weight == NULL)) return -1;
+    const prologue pro = {prologue_kind, norm_weight, eps, ldx};
+    return interleaved_product(fmt, w, N, K, x, M, y, work, levels, threads, &pro, accumulate);
 }
 
 /* out (count x K floats) = the interleaved weight's rows `rows[i]`, dequantized (an

@@ -15,6 +15,7 @@ import torch
 from workers.native.build import load_library
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
+PROLOGUE_NONE, PROLOGUE_RMS_NORM, PROLOGUE_SILU_GATE = 0, 1, 2  # cpu_kernels.c's prologues
 
 
 class QuantKernels:
@@ -28,6 +29,10 @@ class QuantKernels:
         self._interleaved.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
                                       ctypes.c_int]
+        self._fused = library.fused_interleaved_matmul
+        self._fused.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_int]
         self._work_bytes = library.interleaved_matmul_work_bytes
         self._work_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
         self._work_bytes.restype = ctypes.c_int64
@@ -67,6 +72,22 @@ class QuantKernels:
         if status:
             raise ValueError(f"interleaved_matmul: format {fmt} with {rows} x {cols}, {levels} levels, "
                              "is not supported")
+        return out
+
+    def fused_interleaved_matmul(self, fmt: int, interleaved: torch.Tensor, cols: int, x: torch.Tensor,
+                                 out: torch.Tensor, levels: int, prologue: int, norm_weight: torch.Tensor | None = None,
+                                 eps: float = 0.0, accumulate: bool = False) -> torch.Tensor:
+        """interleaved_matmul into `out` (M x rows, float32, contiguous) with a PROLOGUE_* on
+        each row of x (rows x.stride(0) floats apart, unit stride within; a SILU_GATE row
+        holds gate then up, 2 x cols) and, with `accumulate`, out += the product."""
+        rows = x.shape[0]
+        work = _work_buffer(self._work_bytes(rows, cols, levels))
+        status = self._fused(fmt, interleaved.data_ptr(), out.shape[1], cols, x.data_ptr(), x.stride(0), rows,
+                             out.data_ptr(), work.data_ptr(), levels, torch.get_num_threads(), prologue,
+                             None if norm_weight is None else norm_weight.data_ptr(), eps, int(accumulate))
+        if status:
+            raise ValueError(f"fused_interleaved_matmul: format {fmt} with {out.shape[1]} x {cols}, {levels} levels, "
+                             f"prologue {prologue}, is not supported")
         return out
 
     def dequantize_interleaved(self, fmt: int, interleaved: torch.Tensor, cols: int, rows: torch.Tensor,

@@ -27,7 +27,7 @@ import threading
 import torch
 from torch import nn
 
-from workers.quant.native_kernels import QuantKernels
+from workers.quant.native_kernels import PROLOGUE_NONE, QuantKernels
 from workers.quant.packed_weights import (
     GROUP_ROWS,
     INTEGER_FORMATS,
@@ -107,6 +107,25 @@ class QuantizedLinear(nn.Module):
         if x.dtype != torch.float32:
             out = out.to(x.dtype)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
+
+    def fusable(self, accumulate: bool = False) -> bool:
+        """Whether `fused` computes this layer: 8-bit activations, whole groups of 8 output
+        rows, inputs in their own order, and no bias where the product is added in place."""
+        return (bool(self.levels) and not self.reordered and self.out_features % GROUP_ROWS == 0
+                and not (accumulate and self.bias is not None))
+
+    def fused(self, x: torch.Tensor, prologue: int = PROLOGUE_NONE, norm_weight: torch.Tensor | None = None,
+              eps: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The product of x's float32 rows after a prologue (cpu_kernels.c: PROLOGUE_RMS_NORM
+        by `norm_weight`, or PROLOGUE_SILU_GATE on rows holding gate then up): a new [M, out]
+        tensor, or added in place into `residual` [M, out] and that returned. Only where
+        `fusable` says so."""
+        out = residual if residual is not None else torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        self.kernels.fused_interleaved_matmul(self.fmt, self.blocks, self.in_features, x, out, self.levels, prologue,
+                                              norm_weight, eps, accumulate=residual is not None)
+        if self.bias is not None:
+            out += self.bias
+        return out
 
     def _dequantized_matmul(self, flat: torch.Tensor) -> torch.Tensor:
         # Computed transposed (weight slice times flat's transpose) so each slice's product

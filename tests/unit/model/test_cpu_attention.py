@@ -130,3 +130,25 @@ def test_a_short_span_computes_what_decode_steps_compute():
         meta = runner.prepare([ScheduledChunk.of(seq, 1)], []).attn_metadata
         decoded = attend_packed(0, q[i : i + 1], k[i : i + 1], v[i : i + 1], meta, layer)
         assert torch.equal(decoded[0], span[i]), i
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 300])  # 300: rows split over the threads
+def test_rotation_and_cache_write_are_torchs_bits(tokens):
+    """q and k heads rotated in place as the direct forward's torch operators rotate them
+    (the same bits: no fused multiply-add), v untouched; every token's k and v at its slot."""
+    heads, kv_heads, head_dim = 6, 2, 64
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim, generator=gen)
+    angles = torch.rand(tokens, head_dim, generator=gen) * 100
+    cos, sin = angles.cos(), angles.sin()
+    signed_sin = torch.cat((-sin[:, :32], sin[:, 32:]), dim=-1)
+    qk = qkv[:, :heads + kv_heads]
+    want = qk * cos.unsqueeze(1) + qk.roll(32, -1) * signed_sin.unsqueeze(1)
+    slots = torch.randperm(tokens + 7, generator=gen)[:tokens]
+    k_cache, v_cache = torch.zeros(tokens + 7, kv_heads, head_dim), torch.zeros(tokens + 7, kv_heads, head_dim)
+    rotated = qkv.clone()
+    assert kernel.rotate_and_cache(rotated, heads, kv_heads, cos, signed_sin, slots, k_cache, v_cache)
+    assert torch.equal(rotated[:, :heads + kv_heads], want)
+    assert torch.equal(rotated[:, heads + kv_heads:], qkv[:, heads + kv_heads:])
+    assert torch.equal(k_cache[slots], want[:, heads:]) and torch.equal(v_cache[slots], qkv[:, heads + kv_heads:])
+    assert not kernel.rotate_and_cache(rotated.double(), heads, kv_heads, cos, signed_sin, slots, k_cache, v_cache)
