@@ -50,6 +50,8 @@ class PagedKVCache:
         dims = (shape.num_layers, num_slots, shape.num_kv_heads, shape.head_dim)
         self.keys = torch.zeros(dims, dtype=shape.dtype, device=device)
         self.values = torch.zeros(dims, dtype=shape.dtype, device=device)
+        # Each layer's views made once: a step asks for them twice a layer (a select each)
+        self._layers = [(self.keys[i], self.values[i]) for i in range(shape.num_layers)]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks (all layers) for copy-on-write: [(source, destination), ...]."""
@@ -62,7 +64,7 @@ class PagedKVCache:
         self.values[:, dst] = self.values[:, src]
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys[layer_idx], self.values[layer_idx]
+        return self._layers[layer_idx]
 
     @property
     def nbytes(self) -> int:
