@@ -56,6 +56,7 @@ from workers.engine.llm_engine import LLMEngine
 from workers.lora.manager import LORA_TARGETS
 from workers.model import cpu_linear
 from workers.model.attention import register_paged_attention
+from workers.model.cpu_attention import cpu_decode_attention
 from workers.model.fused_projections import fuse_sibling_projections
 from workers.model.loader import load_model
 from workers.serving.host_memory import keep_freed_memory
@@ -118,13 +119,18 @@ def raw_decode_ms(model, prompt_ids: list[int], batch: int, steps: int) -> float
 
 
 def engine_decode_ms(model, prompt_ids: list[int], batch: int, steps: int, tokenizer=None,
-                     cpu_decode: bool | None = None, **limits) -> tuple[float, float]:
+                     cpu_decode: bool | None = None, fused: bool = True, **limits) -> tuple[float, float]:
     """(ms per decode step, ms of it spent on the grammar mask); guided when `tokenizer` is
     given; `cpu_decode`: decode attention by the C kernel or not (None: the engine's
-    choice); `limits`: EngineLimits fields."""
+    choice); `fused`: False runs a quantized model's layers unfused; `limits`: EngineLimits
+    fields."""
     engine = new_engine(model, tokenizer, **limits)
     if cpu_decode is not None:
         engine.runner.cpu_decode = cpu_decode
+    if not fused and engine.runner.direct is not None:
+        direct = engine.runner.direct
+        direct.layers = [dataclasses.replace(layer, fused=None) for layer in direct.layers]
+        direct.fused_head = None
     guided = GuidedDecoding("json_schema", json.dumps(BENCH_SCHEMA)) if tokenizer is not None else None
     for _ in range(batch):
         engine.add_request(prompt_ids, SamplingParams(max_tokens=steps + 8, temperature=0.8, ignore_eos=True,
@@ -232,6 +238,37 @@ def run_attention(args, loaded) -> None:
         print(f"context {context} tokens", flush=True)
         alternate_engine_steps(args, loaded.model, (base * (context // len(base) + 1))[:context],
                                {"sdpa": {"cpu_decode": False}, "cpu_kernel": {"cpu_decode": True}})
+
+
+def run_fused(args, loaded) -> None:
+    """A quantized model's decode step: layers unfused with torch's rotation and cache write,
+    then with the C rotation and cache write, then fused too (direct_forward.py), alternating
+    in one process."""
+    kernel = cpu_decode_attention()
+    if kernel is None:
+        raise SystemExit("no C compiler: the C rotation and the fused products need one")
+    rotate = kernel.rotate_and_cache
+
+    def torch_rotation(*args) -> bool:
+        return False  # the direct forward then rotates with torch's operators and index_copy_
+
+    def variant(use_c_rotation: bool, fused: bool) -> Callable[[int], float]:
+        def run(batch: int) -> float:
+            kernel.rotate_and_cache = rotate if use_c_rotation else torch_rotation
+            try:
+                return engine_decode_ms(loaded.model, prompt_ids, batch, args.steps, fused=fused)[0]
+            finally:
+                kernel.rotate_and_cache = rotate
+        return run
+
+    prompt_ids = loaded.tokenizer(PROMPT)["input_ids"]
+    variants = {"unfused": variant(False, False), "c_rotation": variant(True, False), "fused": variant(True, True)}
+    for batch in args.batch:
+        runs: dict[str, list[float]] = {name: [] for name in variants}
+        for _ in range(args.repeat):
+            for name, run in variants.items():
+                runs[name].append(run(batch))
+        print(alternation_line(batch, runs), flush=True)
 
 
 def alternate_engine_steps(args, model, prompt_ids: list[int], variants: dict[str, dict]) -> None:
@@ -600,6 +637,11 @@ def main(argv: list[str] | None = None) -> None:
     direct.add_argument("--batch", type=int, nargs="+", default=[1, 16, 32, 64])
     direct.add_argument("--steps", type=int, default=10)
     direct.add_argument("--repeat", type=int, default=5)
+    fused = sub.add_parser("fused", help="a quantized model's decode step: unfused layers, the C rotation, fused "
+                           "layers, alternating")
+    fused.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
+    fused.add_argument("--steps", type=int, default=20)
+    fused.add_argument("--repeat", type=int, default=5)
     attention = sub.add_parser("attention", help="engine decode step, decode attention by SDPA over a gather vs "
                                "the C kernel, alternating")
     attention.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
@@ -653,7 +695,7 @@ def main(argv: list[str] | None = None) -> None:
         loaded.model.set_attn_implementation(register_paged_attention())
     commands = {"decode": run_decode, "packing": run_packing, "fusion": run_fusion, "offline": run_offline,
                 "prefix": run_prefix, "fairness": run_fairness, "lora": run_lora, "direct": run_direct,
-                "attention": run_attention, "deterministic": run_deterministic}
+                "attention": run_attention, "deterministic": run_deterministic, "fused": run_fused}
     commands[args.command](args, loaded)
 
 

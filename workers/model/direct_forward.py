@@ -8,7 +8,11 @@ the linear layers (docs/BENCHMARKS.md). This forward calls the same weights with
 fewest operators: one fused RMSNorm (float32), the fused q/k/v and gate/up products, q and
 k rotated in one pass, and the paged attention in its packed layout (`attend_packed`). It
 computes what transformers' modules compute, in the same order, so the logits are the same
-bit for bit (tests/unit/model/test_direct_forward.py).
+bit for bit (tests/unit/model/test_direct_forward.py); on a CPU the rotation and the KV
+cache write are one C pass giving the same bits (cpu_attention.c). A layer whose products
+are 8-bit QuantizedLinears goes further (`_FusedNorms`): its norms, SiLU gate and residual
+adds run inside those products, within the activations' rounding of the separate operators
+(tests/unit/model/test_fused_products.py).
 
 It runs only what it was written for: Llama, Mistral, Qwen2 and Qwen3 models (Qwen3's
 per-head RMSNorm of q and k included) with their sibling projections fused

@@ -17,7 +17,8 @@ non-head matrices at 1 / 16 / 32 / 64 / 256 rows (2-core AMD EPYC Zen 3, AVX2, f
   15.6 / 39.9 / 90.2 / 123.9 / 436 ms, the dequantized float product up to summation order.
 The output head never takes one rounding (int8x2 under int8: workers/model/packed_swap.py
 says why); a tied embedding reads its rows from the head's interleaved blocks. The result
-comes back in the input's dtype.
+comes back in the input's dtype. `fused` is the 8-bit product with a layer's RMSNorm or
+SiLU gate done on each row first, and its residual add (the direct forward's fused layers).
 """
 
 from __future__ import annotations
