@@ -1,11 +1,13 @@
 """tools.bench.engine's modes: `worker` (the worker's request path in one process), `direct`
-(transformers' forward against the direct forward), `lora`; and the limits the offline engine takes."""
+(transformers' forward against the direct forward), `lora`, `fused`; and the limits the offline
+engine takes."""
 
 from __future__ import annotations
 
 import asyncio
 import re
 
+import gguf
 import pytest
 
 from tools.bench import engine as bench_engine
@@ -102,3 +104,25 @@ def test_random_adapters_are_read_back_as_peft_adapters(tiny_model, tmp_path):
     path = write_random_adapter(tiny_model, tmp_path / "a", seed=0, rank=3)
     adapter = read_peft_adapter(LoraRequest.of("a", str(path)))
     assert adapter.rank == 3 and len(adapter.modules) == 7 * tiny_model.config.num_hidden_layers
+
+
+def test_fused_mode_times_unfused_c_rotation_and_fused_layers(tmp_path, capsys):
+    """On a tiny GGUF Llama with 8-bit activations (every layer fusable): three variants a line."""
+    import argparse
+    import types
+
+    from tests.unit.model.test_quantized_weights import _twin_pair
+    from workers.model.attention import register_paged_attention
+    from workers.model.gguf_packing import keep_gguf_weights_packed
+
+    _, model = _twin_pair(tmp_path / "m.gguf", gguf.GGMLQuantizationType.Q4_1)
+    keep_gguf_weights_packed(model, tmp_path / "m.gguf", activations="int8x2")
+    model.set_attn_implementation(register_paged_attention())
+    loaded = types.SimpleNamespace(model=model, tokenizer=lambda text: {"input_ids": [3, 14, 15, 9, 26]})
+    bench_engine.run_fused(argparse.Namespace(batch=[1, 3], steps=2, repeat=2), loaded)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("batch=")]
+    assert len(lines) == 2
+    for line in lines:
+        sides = re.findall(r"(unfused|c_rotation|fused)\s+([\d.]+) ms/step", line)
+        assert [name for name, _ in sides] == ["unfused", "c_rotation", "fused"]
+        assert all(float(ms) > 0 for _, ms in sides)
