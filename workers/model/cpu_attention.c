@@ -344,7 +344,8 @@ int paged_decode_attention(int dtype, const void *q, int64_t q_stride, const voi
    signed_sin (the sine's first half negated: direct_forward.py), each product and the sum
    rounded on its own as torch's three operators round them (no fused multiply-add: the
    same bits); then each token's k and v heads copied to its cache slot. cos / signed_sin
-   [T, head_dim]; slots [T] int64; caches [slots, kv_heads, head_dim]. */
+   [T, head_dim]; slots [T] int64, each below num_slots (else 1, nothing done); caches
+   [num_slots, kv_heads, head_dim]. */
 #define MAX_HEAD_DIM 1024
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
@@ -357,9 +358,11 @@ static void rotate_row(float *x, const float *cos, const float *signed_sin, int6
 #pragma GCC pop_options
 
 int rotate_and_cache(float *qkv, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                     const float *cos, const float *signed_sin, const int64_t *slots, float *k_cache,
-                     float *v_cache, int threads) {
+                     const float *cos, const float *signed_sin, const int64_t *slots, int64_t num_slots,
+                     float *k_cache, float *v_cache, int threads) {
     if (head_dim % 2 || head_dim > MAX_HEAD_DIM) return 1;
+    for (int64_t t = 0; t < tokens; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots) return 1;  /* nothing written: torch's path raises */
     const int64_t width = (heads + 2 * kv_heads) * head_dim, kv_width = kv_heads * head_dim;
 #pragma omp parallel for schedule(static) num_threads(threads) if (tokens * width >= SERIAL_WORK)
     for (int64_t t = 0; t < tokens; t++) {

@@ -29,8 +29,8 @@ class CpuDecodeAttention:
         self._attend.restype = ctypes.c_int
         self._rotate = library.rotate_and_cache
         self._rotate.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                 ctypes.c_int]
+                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                 ctypes.c_void_p, ctypes.c_int]
         self._rotate.restype = ctypes.c_int
 
     def rotate_and_cache(self, qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor,
@@ -39,14 +39,14 @@ class CpuDecodeAttention:
         """qkv [T, heads + 2 kv_heads, Dh] float32: q and k heads rotated in place (the same
         bits as torch's x * cos + x.roll(Dh / 2) * signed_sin), then each token's k and v
         written to its cache slot. cos / signed_sin hold T rows of Dh. False (nothing done)
-        for a layout or dtype the kernel does not take."""
+        for a layout or dtype the kernel does not take, or a slot outside the caches."""
         tensors = (qkv, cos, signed_sin, k_cache, v_cache)
         if (any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors)
-                or slots.dtype != torch.int64 or not slots.is_contiguous()):
+                or slots.dtype != torch.int64 or not slots.is_contiguous() or k_cache.shape != v_cache.shape):
             return False
         status = self._rotate(qkv.data_ptr(), qkv.shape[0], heads, kv_heads, qkv.shape[2], cos.data_ptr(),
-                              signed_sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                              torch.get_num_threads())
+                              signed_sin.data_ptr(), slots.data_ptr(), k_cache.shape[0], k_cache.data_ptr(),
+                              v_cache.data_ptr(), torch.get_num_threads())
         return status == 0
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,

@@ -152,3 +152,8 @@ def test_rotation_and_cache_write_are_torchs_bits(tokens):
     assert torch.equal(rotated[:, heads + kv_heads:], qkv[:, heads + kv_heads:])
     assert torch.equal(k_cache[slots], want[:, heads:]) and torch.equal(v_cache[slots], qkv[:, heads + kv_heads:])
     assert not kernel.rotate_and_cache(rotated.double(), heads, kv_heads, cos, signed_sin, slots, k_cache, v_cache)
+    outside = slots.clone()
+    outside[-1] = tokens + 7  # one past the caches' last slot: refused before anything is written
+    before = rotated.clone()
+    assert not kernel.rotate_and_cache(rotated, heads, kv_heads, cos, signed_sin, outside, k_cache, v_cache)
+    assert torch.equal(rotated, before)
