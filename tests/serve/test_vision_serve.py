@@ -216,3 +216,35 @@ def test_handle_api_resolves_images_too(vision_app):
                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_uri(PNG)}}]}]}
     reply = chat_handle.chat.remote(request).result()
     assert reply.usage.completion_tokens == 4
+
+
+def test_an_image_in_a_messages_tool_result_is_seen_by_the_model(vision_app):
+    """/v1/messages: the image a tool returned reaches the model, as the chat request the
+    translation makes (the tool message's text, then the image in the user message) does."""
+    tool = {"name": "snapshot", "description": "Takes a picture.", "input_schema": {"type": "object"}}
+
+    def via_messages(image: bytes) -> str:
+        source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(image).decode()}
+        body = {"model": VLM_ID, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "tools": [tool], "messages": [
+            {"role": "user", "content": "Describe"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "snapshot", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                          "content": [{"type": "image", "source": source}]}]}]}
+        resp = httpx.post(vision_app + "/v1/messages", json=body, timeout=120)
+        assert resp.status_code == 200, resp.text
+        return "".join(block["text"] for block in resp.json()["content"] if block["type"] == "text")
+
+    def via_chat(image: bytes) -> str:
+        body = {"model": VLM_ID, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                "tools": [{"type": "function", "function": {"name": "snapshot", "description": "Takes a picture.",
+                                                            "parameters": {"type": "object"}}}],
+                "messages": [
+                    {"role": "user", "content": "Describe"},
+                    {"role": "assistant", "content": None, "tool_calls": [
+                        {"id": "toolu_1", "type": "function", "function": {"name": "snapshot", "arguments": "{}"}}]},
+                    {"role": "tool", "tool_call_id": "toolu_1", "content": ""},
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_uri(image)}}]}]}
+        return answer(httpx.post(vision_app + "/v1/chat/completions", json=body, timeout=120))
+
+    assert via_messages(PNG) == via_chat(PNG)
+    assert via_messages(PNG) != via_messages(OTHER_PNG)  # the image matters

@@ -4,7 +4,8 @@ translation, prompt building and output parsing then apply unchanged).
 - `system`: a system message first (text blocks joined);
 - a user turn: its `tool_result` blocks become `tool` messages (in order, first, as the
   API wants them first), its text and image blocks one user message (images as
-  `image_url` parts: base64 data as a data URL);
+  `image_url` parts: base64 data as a data URL); a chat `tool` message carries text only,
+  so the images a tool result holds open that user message, before the turn's own blocks;
 - an assistant turn: its text, and its `tool_use` blocks as `tool_calls` (the input as
   JSON text); `thinking` blocks are left out of the prompt;
 - a conversation that ends with the assistant's turn: the answer continues it
@@ -40,7 +41,7 @@ from serve_app.dialects.messages.request import (
     ToolResultBlock,
     ToolUseBlock,
 )
-from serve_app.http.errors import APIError, params_renamed
+from serve_app.http.errors import params_renamed
 from serve_app.http.request_body import parse_request
 
 # The worker names the chat request's fields in its errors; these are the Messages names.
@@ -96,9 +97,11 @@ def chat_messages(messages: list[Message]) -> list[dict[str, Any]]:
 
 def _user_turn(message: Message) -> list[dict[str, Any]]:
     blocks = message.blocks
-    out = [{"role": "tool", "tool_call_id": b.tool_use_id, "content": _result_text(b)}
-           for b in blocks if isinstance(b, ToolResultBlock)]
-    rest = [b for b in blocks if not isinstance(b, ToolResultBlock)]
+    results = [b for b in blocks if isinstance(b, ToolResultBlock)]
+    out = [{"role": "tool", "tool_call_id": b.tool_use_id, "content": _result_text(b)} for b in results]
+    rest = [part for b in results if not isinstance(b.content, str) for part in b.content
+            if isinstance(part, ImageBlock)]  # the results' images first
+    rest += [b for b in blocks if not isinstance(b, ToolResultBlock)]
     if not rest:
         return out
     if any(isinstance(b, ImageBlock) for b in rest):
@@ -109,15 +112,11 @@ def _user_turn(message: Message) -> list[dict[str, Any]]:
 
 
 def _result_text(block: ToolResultBlock) -> str:
-    """A tool result's content as the tool message's text; images in a result are refused
-    (a chat `tool` message carries text only)."""
+    """A tool result's text (its images go to the user message after it: _user_turn)."""
     if isinstance(block.content, str):
         text = block.content
     else:
-        if any(isinstance(part, ImageBlock) for part in block.content):
-            raise APIError(400, "tool_result blocks with images are not supported: send the image in a user "
-                           "text/image block", param="messages", code="unsupported_parameter")
-        text = "".join(part.text for part in block.content)
+        text = "".join(part.text for part in block.content if isinstance(part, TextBlock))
     return f"Error: {text}" if block.is_error else text
 
 

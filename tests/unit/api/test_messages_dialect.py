@@ -103,7 +103,9 @@ def test_turns_become_chat_messages():
                 {"type": "tool_use", "id": "toolu_1", "name": "add", "input": {"a": 1}},
                 {"type": "tool_use", "id": "toolu_2", "name": "add", "input": {"a": 2}}]},
             {"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "1"}]},
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": [
+                    {"type": "text", "text": "1"},
+                    {"type": "image", "source": {"type": "url", "url": "https://example.com/plot.png"}}]},
                 {"type": "tool_result", "tool_use_id": "toolu_2", "content": "no", "is_error": True},
                 {"type": "text", "text": "Look:"}, image]},
             {"role": "assistant", "content": "The sum is"}]))
@@ -116,7 +118,8 @@ def test_turns_become_chat_messages():
             {"id": "toolu_2", "type": "function", "function": {"name": "add", "arguments": '{"a": 2}'}}]},
         {"role": "tool", "tool_call_id": "toolu_1", "content": "1"},
         {"role": "tool", "tool_call_id": "toolu_2", "content": "Error: no"},
-        {"role": "user", "content": [{"type": "text", "text": "Look:"},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/plot.png"}},
+                                     {"type": "text", "text": "Look:"},
                                      {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]},
         {"role": "assistant", "content": "The sum is"},
     ]
@@ -125,6 +128,19 @@ def test_turns_become_chat_messages():
     assert chat.chat_template_kwargs == {"enable_thinking": False}
     assert (chat.stop, chat.top_k, chat.user, chat.max_tokens) == (["END"], 5, "u", 64)
     assert chat.tools[0].function.parameters == {"type": "object"}
+
+
+def test_a_tool_results_images_open_the_user_message_after_the_tool_messages():
+    """A chat `tool` message carries text only: a result that is all image leaves it empty."""
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+    chat = to_chat_request(request(tools=[ADD], messages=[
+        USER, {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "add", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [image]}]}]))
+    messages = [m.model_dump(exclude_none=True) for m in chat.messages]
+    assert messages[2:] == [
+        {"role": "tool", "tool_call_id": "toolu_1", "content": ""},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]},
+    ]
 
 
 def test_tool_choice_forms():
