@@ -31,6 +31,21 @@ class Pooling:
 
 
 @dataclass(frozen=True)
+class ThinkingBudget:
+    """A cap on the tokens of the output's reasoning section (vLLM's thinking_token_budget,
+    Anthropic's thinking.budget_tokens): once `tokens` have been generated since `start`
+    opened it (or since the output began, when the prompt leaves it open) without `end`,
+    the engine makes the next tokens those of `end` (workers/core/thinking.py). The ingress
+    gives the tags as text; the worker fills in their token ids."""
+
+    tokens: int
+    start: str
+    end: str
+    start_ids: tuple[int, ...] = ()
+    end_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Validated per-request generation settings (validation happens at the API edge).
 
@@ -69,6 +84,7 @@ class SamplingParams:
     # first and preempted last (vLLM's meaning); it rides here to reach every choice's Sequence.
     priority: int = 0
     pooling: Pooling | None = None  # an embedding request (no output tokens)
+    thinking_budget: ThinkingBudget | None = None  # a cap on the reasoning section's tokens
 
     @property
     def beam_width(self) -> int:

@@ -10,6 +10,7 @@ from typing import Protocol
 from workers.contract.sampling_params import SamplingParams
 from workers.core.images import ImageFeatures
 from workers.core.seed_streams import stream_key
+from workers.core.thinking import ThinkingState
 
 
 class GrammarState(Protocol):
@@ -95,6 +96,9 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # chain hash of each full block, memoised
     num_cached_blocks: int = 0  # leading blocks of block_table already offered to the prefix cache
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
+    # params.thinking_budget's state; None until asked for, and again whenever the tokens
+    # change other than by appending (built from them: workers/core/thinking.py)
+    _thinking: ThinkingState | None = None
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
@@ -132,6 +136,7 @@ class Sequence:
 
     def truncate(self, num_tokens: int, block_size: int) -> None:
         """Drop tokens past `num_tokens` (undoing a failed step), and the hashes of blocks they completed."""
+        self._thinking = None
         del self.token_ids[num_tokens:]
         del self.block_hashes[num_tokens // block_size :]
 
@@ -161,9 +166,21 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    def forced_token(self) -> int | None:
+        """The token its thinking budget makes the next one (None: sampled freely). Not
+        under a grammar, which governs every token of the output itself."""
+        budget = self.params.thinking_budget
+        if budget is None or self.guide is not None:
+            return None
+        if self._thinking is None:
+            self._thinking = ThinkingState(budget, self.token_ids[:self.num_prompt_tokens], self.output_token_ids)
+        return self._thinking.forced_token()
+
     def append_token(self, token_id: int) -> FinishReason | None:
         """Add a sampled token and return why the sequence ends now, if it does."""
         self.token_ids.append(token_id)
+        if self._thinking is not None:
+            self._thinking.push(token_id)
         if self.guide is not None and self.guide.advance(token_id):
             return FinishReason.STOP  # EOS where the grammar is complete (also with ignore_eos)
         params = self.params

@@ -57,10 +57,11 @@ class InFlight:
 
 def can_overlap(seq: Sequence) -> bool:
     """A sequence whose next sampling reads nothing of its latest token on the host: no
-    grammar, penalties, logprobs or beams, and past its min_tokens bans."""
+    grammar, penalties, logprobs, beams or thinking budget, and past its min_tokens bans."""
     params = seq.params
     return (seq.guide is None and not params.has_penalties and params.logprobs is None
-            and not params.use_beam_search and seq.num_output_tokens >= params.min_tokens)
+            and not params.use_beam_search and seq.num_output_tokens >= params.min_tokens
+            and params.thinking_budget is None)
 
 
 class AsyncOverlap:

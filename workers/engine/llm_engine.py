@@ -354,6 +354,10 @@ class LLMEngine:
         if self.guided is not None:
             tensors.guided = self.guided.mask([s.guide for s in seqs], self.device)
         tokens = self.sampler(row_logits, tensors)
+        forced = [(row, token) for row, seq in enumerate(seqs) if (token := seq.forced_token()) is not None]
+        if forced:  # a thinking budget spent: its end tag, whatever was drawn (the logprob is the model's)
+            rows, ids = zip(*forced)
+            tokens[list(rows)] = torch.tensor(ids, dtype=tokens.dtype, device=tokens.device)
         return tokens.tolist(), sampled_logprobs(seqs, row_logits, tokens)
 
     def _verify(self, seqs: list[Sequence], logits: torch.Tensor, sampling_rows: list[int],

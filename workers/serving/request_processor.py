@@ -194,7 +194,15 @@ class RequestProcessor:
         if max_tokens is None:  # the model's default cap, within what the window leaves
             room = max(1, self.max_model_len - num_prompt_tokens)
             max_tokens = room if self.default_max_tokens is None else min(self.default_max_tokens, room)
-        return dataclasses.replace(request.params, max_tokens=max_tokens)
+        params = dataclasses.replace(request.params, max_tokens=max_tokens)
+        budget = params.thinking_budget
+        if budget is not None:  # the tags as this tokenizer writes them
+            budget = dataclasses.replace(budget, start_ids=self._tag_ids(budget.start), end_ids=self._tag_ids(budget.end))
+            params = dataclasses.replace(params, thinking_budget=budget)
+        return params
+
+    def _tag_ids(self, tag: str) -> tuple[int, ...]:
+        return tuple(self.tokenizer.encode(tag, add_special_tokens=False))
 
 
 INLINE_PROMPT_BYTES = 32 * 1024

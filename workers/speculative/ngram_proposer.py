@@ -145,8 +145,10 @@ class NgramProposer:
 def _can_speculate(seq: Sequence) -> bool:
     """Whether a decoding sequence's next rows may be checked together: not while its
     sampling depends on the output so far in ways one step's rows do not follow
-    (penalties, min_tokens' bans, a grammar), nor for beams, nor before its first new token
-    (choices fork then, and that token's event carries the request's first-token facts)."""
+    (penalties, min_tokens' bans, a grammar, a thinking budget's forced end), nor for beams,
+    nor before its first new token (choices fork then, and that token's event carries the
+    request's first-token facts)."""
     params = seq.params
     return (seq.num_output_tokens > seq.num_resumed_tokens and seq.guide is None and not params.use_beam_search
-            and not params.has_penalties and seq.num_output_tokens >= params.min_tokens)
+            and not params.has_penalties and seq.num_output_tokens >= params.min_tokens
+            and params.thinking_budget is None)

@@ -85,6 +85,9 @@ class ChatCompletionRequest(SamplingFields, ChatPrompt):
     # message open, and the answer continues it (needs add_generation_prompt false).
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's: at most this many tokens of reasoning, then the model's end tag is forced
+    # (a model served with a reasoning_parser; others have no section to count)
+    thinking_token_budget: int | None = Field(None, ge=1)
 
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without
@@ -123,6 +126,8 @@ class ChatCompletionRequest(SamplingFields, ChatPrompt):
 
     def _choices_error(self) -> APIError | None:
         """n, best_of, beam search and logprobs; beam search has rules of its own."""
+        if self.use_beam_search and self.thinking_token_budget is not None:
+            return field_error("thinking_token_budget", "thinking_token_budget is not available with beam search")
         if self.use_beam_search:
             return beam_search_error(self, asks_logprobs=bool(self.logprobs))
         if self.best_of is not None:

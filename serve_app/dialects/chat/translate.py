@@ -13,7 +13,11 @@ from serve_app.schema.common import openai_sampling_kwargs, or_default
 from workers.contract.grammar import grammar_error
 from workers.contract.model_config import ModelConfig
 from workers.contract.requests import GenerateRequest
-from workers.contract.sampling_params import GuidedDecoding, SamplingParams
+from workers.contract.sampling_params import (
+    GuidedDecoding,
+    SamplingParams,
+    ThinkingBudget,
+)
 
 
 def new_request_id() -> str:
@@ -33,6 +37,10 @@ def to_generate_request(req: ChatCompletionRequest, request_id: str,
         params = dataclasses.replace(params, guided=constraint)
     if tools and parser.special_tags:  # as vLLM does: the calls' tags are special tokens
         params = dataclasses.replace(params, skip_special_tokens=False)
+    reasoning = REASONING_PARSERS[model.reasoning_parser] if model is not None and model.reasoning_parser else None
+    if req.thinking_token_budget is not None and reasoning is not None:
+        params = dataclasses.replace(params, thinking_budget=ThinkingBudget(req.thinking_token_budget, reasoning.START,
+                                                                            reasoning.END))
     return GenerateRequest(
         request_id=request_id,
         params=params,
@@ -43,7 +51,7 @@ def to_generate_request(req: ChatCompletionRequest, request_id: str,
         continue_final_message=req.continue_final_message,
         tools=[t.model_dump(exclude_none=True) for t in tools] or None,
         tool_prompt=parser.tool_prompt(tools),
-        reasoning_start=REASONING_PARSERS[model.reasoning_parser].START if model and model.reasoning_parser else None,
+        reasoning_start=reasoning.START if reasoning is not None else None,
     )
 
 

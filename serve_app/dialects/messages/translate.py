@@ -13,8 +13,10 @@ translation, prompt building and output parsing then apply unchanged).
 - `tool_choice`: auto / any / tool / none are auto / required / a named function / none;
   `disable_parallel_tool_use` is `parallel_tool_calls: false`;
 - `thinking`: `enabled` or `adaptive` / `disabled` set the chat template's
-  `enable_thinking` (Qwen3's and DeepSeek's templates read it); `budget_tokens` is not a
-  separate cap: `max_tokens` bounds thinking and answer together;
+  `enable_thinking` (Qwen3's and DeepSeek's templates read it); `enabled`'s
+  `budget_tokens` is vLLM's `thinking_token_budget` (the reasoning's end tag forced once
+  that many tokens think, on a model with a reasoning parser); `max_tokens` bounds
+  thinking and answer together;
 - `output_config.format` (a JSON schema): the chat `response_format`;
 - `stop_sequences`, `temperature`, `top_p`, `top_k`, `metadata.user_id`: `stop`,
   `temperature`, `top_p`, `top_k`, `user`; vLLM's `structured_outputs` and `guided_*`
@@ -35,6 +37,7 @@ from serve_app.dialects.messages.request import (
     MessagesRequest,
     TextBlock,
     ThinkingDisabled,
+    ThinkingEnabled,
     ToolChoiceAny,
     ToolChoiceAuto,
     ToolChoiceTool,
@@ -73,6 +76,8 @@ def to_chat_request(req: MessagesRequest) -> ChatCompletionRequest:
         body.update(_tool_choice(req))
     if req.thinking is not None:
         body["chat_template_kwargs"] = {"enable_thinking": not isinstance(req.thinking, ThinkingDisabled)}
+    if isinstance(req.thinking, ThinkingEnabled):
+        body["thinking_token_budget"] = req.thinking.budget_tokens
     body.update(req.structured_fields())
     fmt = req.output_config.format if req.output_config else None
     if fmt is not None:

@@ -143,6 +143,12 @@ def test_a_tool_results_images_open_the_user_message_after_the_tool_messages():
     ]
 
 
+def test_an_enabled_thinkings_budget_is_the_chat_requests_thinking_token_budget():
+    chat = to_chat_request(request(max_tokens=4096, thinking={"type": "enabled", "budget_tokens": 2048}))
+    assert (chat.thinking_token_budget, chat.chat_template_kwargs) == (2048, {"enable_thinking": True})
+    assert to_chat_request(request(thinking={"type": "adaptive"})).thinking_token_budget is None
+
+
 def test_tool_choice_forms():
     named = to_chat_request(request(tools=[ADD], tool_choice={"type": "tool", "name": "add"}))
     assert named.tool_choice.function.name == "add" and named.parallel_tool_calls is None

@@ -148,3 +148,20 @@ def test_qwen3_templates_and_what_the_worker_reports(tiny_tokenizer, template, k
     assert request.reasoning_start == "<think>"
     assert _opens_reasoning(PromptBuilder(tokenizer).chat_text(request), request.reasoning_start) is opened
     assert run_qwen3([output], opened) == (reasoning, content)
+
+
+def test_a_thinking_token_budget_names_the_models_tags_and_needs_a_reasoning_parser():
+    """vLLM's thinking_token_budget: the parser's tags go with it to the worker; a model
+    without a parser has no section to count (no budget); beam search refuses it."""
+    from serve_app.http.errors import APIError
+    from serve_app.http.request_body import parse_request
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "9.11 or 9.8?"}], "thinking_token_budget": 64}
+    req = parse_request(ChatCompletionRequest, body)
+    budget = to_generate_request(req, "r", ModelConfig(id="m", reasoning_parser="qwen3")).params.thinking_budget
+    assert (budget.tokens, budget.start, budget.end) == (64, "<think>", "</think>")
+    assert to_generate_request(req, "r", ModelConfig(id="m")).params.thinking_budget is None
+    for bad in ({"thinking_token_budget": 0}, {"use_beam_search": True, "n": 2}):
+        with pytest.raises(APIError) as info:
+            parse_request(ChatCompletionRequest, {**body, **bad})
+        assert (info.value.status, info.value.param) == (400, "thinking_token_budget")
