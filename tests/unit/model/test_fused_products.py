@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 
-import gguf
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tests.support.engines import make_engine, run_to_completion
 from tests.unit.model.test_quantized_weights import (
+    FORMATS,
     PROMPTS,
+    Q,
     _packed,
     _portable_kernels,
     _relative_error,
@@ -29,8 +30,6 @@ from workers.quant.native_kernels import (
 )
 from workers.quant.quantized_layers import QuantizedLinear
 
-Q = gguf.GGMLQuantizationType
-FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
 # How far one rounding of the activations moves the product when its input moves by an
 # ulp (a value on a rounding boundary goes the other way): two levels stay float-like.
 BOUNDS = {"int8": 2e-3, "int8x2": 2e-5}
