@@ -275,11 +275,13 @@ class ChatIngress(HandleAPI):
     async def embeddings(self, request: Request) -> Response:
         """OpenAI's route (serve_app/dialects/embeddings.py): each input's vector, pooled by
         the model's worker from its final hidden states in the engine's batches."""
-        req = await self._parse(request, embeddings.EmbeddingsRequest)
+        req = await self._parse(request, embeddings.EmbeddingsRequest, traced=True)
         target = await self._target(req.model)
         if target.lora is not None:
             raise APIError(400, "model: embeddings are served by base models, not LoRA adapters", param="model")
         record = current_record() or self.metrics.begin("")
+        if record.trace is not None:
+            record.trace.calling_worker(req.model)
         try:
             result = await self.workers[target.base_model].embed.remote(embeddings.to_embed_request(req))
         except asyncio.CancelledError:
@@ -326,7 +328,7 @@ class ChatIngress(HandleAPI):
     async def _parse(self, request: Request, model_cls: type, traced: bool = False) -> Any:
         """API key, then body size, JSON and fields: the request model or an APIError.
         Starts the request's metrics record (finished by _generate or the error handlers),
-        and its spans when `traced` (a generating route) and tracing is configured."""
+        and its spans when `traced` (a generating or embedding route) and tracing is configured."""
         record = self.metrics.begin(_route_path(request))
         if traced and self.tracing is not None:
             record.trace = self.tracing.begin(record, request.method, request.headers)

@@ -1,14 +1,15 @@
 """The ingress's OpenTelemetry spans of a request, when `server.tracing` is configured.
 
-One SERVER span per request of a generating route (serve_app/dialects/table.py), named
-`POST <route>`, its parent the client's W3C `traceparent` when the request sends one
-(else a new trace, sampled at `sample_ratio`). Its children:
+One SERVER span per request of a generating route (serve_app/dialects/table.py) or of
+`/v1/embeddings`, named `POST <route>`, its parent the client's W3C `traceparent` when the
+request sends one (else a new trace, sampled at `sample_ratio`). Its children:
 
 - `chatserve.parse`: the body read and validated, the model resolved, the translation to
   the worker's request, token ids checked and images fetched (until the worker call);
 - `chatserve.stream`: the worker's output, from its first chunk to the response's end;
 - on the worker, under the same parent (workers/serving/request_trace.py): a
-  `chatserve.worker` span per worker call, with its admission, queue, prefill and decode.
+  `chatserve.worker` span per worker call, with its admission, queue, prefill and decode
+  (generating routes; an embedding request's worker call has no spans of its own yet).
 
 The server span's context goes to the worker in `GenerateRequest.trace_context`, only when
 it is sampled. A span lives as long as the request's `RequestRecord` (serve_app/http/metrics.py):
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
     from serve_app.http.metrics import RequestRecord
 
 # What `gen_ai.operation.name` a route is (OpenTelemetry's GenAI conventions); others are chat.
-_OPERATIONS = {"/v1/completions": "text_completion"}
+_OPERATIONS = {"/v1/completions": "text_completion", "/v1/embeddings": "embeddings"}
 
 
 class IngressTracing:
@@ -76,14 +77,19 @@ class RequestTrace:
         self.parse: Span | None = parse  # None once ended
         self.stream: Span | None = None
 
+    def calling_worker(self, model: str) -> None:
+        """The request is parsed and about to call its worker: end the parse span, name the model."""
+        self._end_parse()
+        self.server.set_attribute("gen_ai.request.model", model)
+
     def worker_requests(self, requests: tuple[GenerateRequest, ...], model: str) -> tuple[GenerateRequest, ...]:
         """The request is parsed and about to call its workers: end the parse span, name the
         model and the first request's sampling parameters, and give each worker request the
         server span's trace context (when sampled: else the worker records nothing)."""
-        self._end_parse()
+        self.calling_worker(model)
         first = requests[0]
         params = first.params
-        self.server.set_attributes({"gen_ai.request.model": model, "gen_ai.request.temperature": params.temperature,
+        self.server.set_attributes({"gen_ai.request.temperature": params.temperature,
                                     "gen_ai.request.top_p": params.top_p, "gen_ai.request.choice.count": params.n})
         if first.max_tokens is not None:  # None: the model's default cap, resolved by the worker
             self.server.set_attribute("gen_ai.request.max_tokens", first.max_tokens)
