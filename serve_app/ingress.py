@@ -280,10 +280,11 @@ class ChatIngress(HandleAPI):
         if target.lora is not None:
             raise APIError(400, "model: embeddings are served by base models, not LoRA adapters", param="model")
         record = current_record() or self.metrics.begin("")
+        embed_request = embeddings.to_embed_request(req)
         if record.trace is not None:
-            record.trace.calling_worker(req.model)
+            embed_request = dataclasses.replace(embed_request, trace_context=record.trace.calling_worker(req.model))
         try:
-            result = await self.workers[target.base_model].embed.remote(embeddings.to_embed_request(req))
+            result = await self.workers[target.base_model].embed.remote(embed_request)
         except asyncio.CancelledError:
             record.finish(STATUS_CLIENT_GONE)
             raise

@@ -9,7 +9,7 @@ request sends one (else a new trace, sampled at `sample_ratio`). Its children:
 - `chatserve.stream`: the worker's output, from its first chunk to the response's end;
 - on the worker, under the same parent (workers/serving/request_trace.py): a
   `chatserve.worker` span per worker call, with its admission, queue, prefill and decode
-  (generating routes; an embedding request's worker call has no spans of its own yet).
+  (an embedding request's: admission, queue, and its inputs' prefill to the last vector).
 
 The server span's context goes to the worker in `GenerateRequest.trace_context`, only when
 it is sampled. A span lives as long as the request's `RequestRecord` (serve_app/http/metrics.py):
@@ -77,25 +77,27 @@ class RequestTrace:
         self.parse: Span | None = parse  # None once ended
         self.stream: Span | None = None
 
-    def calling_worker(self, model: str) -> None:
-        """The request is parsed and about to call its worker: end the parse span, name the model."""
+    def calling_worker(self, model: str) -> dict[str, str] | None:
+        """The request is parsed and about to call its worker: end the parse span, name the
+        model; the server span's context for the worker (None when not sampled: the worker
+        then records nothing)."""
         self._end_parse()
         self.server.set_attribute("gen_ai.request.model", model)
+        return inject_context(self.server) if self.server.is_recording() else None
 
     def worker_requests(self, requests: tuple[GenerateRequest, ...], model: str) -> tuple[GenerateRequest, ...]:
         """The request is parsed and about to call its workers: end the parse span, name the
         model and the first request's sampling parameters, and give each worker request the
         server span's trace context (when sampled: else the worker records nothing)."""
-        self.calling_worker(model)
+        context = self.calling_worker(model)
         first = requests[0]
         params = first.params
         self.server.set_attributes({"gen_ai.request.temperature": params.temperature,
                                     "gen_ai.request.top_p": params.top_p, "gen_ai.request.choice.count": params.n})
         if first.max_tokens is not None:  # None: the model's default cap, resolved by the worker
             self.server.set_attribute("gen_ai.request.max_tokens", first.max_tokens)
-        if not self.server.is_recording():
+        if context is None:
             return requests
-        context = inject_context(self.server)
         return tuple(dataclasses.replace(r, trace_context=context) for r in requests)
 
     def first_chunk(self) -> None:

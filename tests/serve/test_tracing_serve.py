@@ -90,24 +90,29 @@ def test_ingress_and_worker_spans_reach_the_collector_in_the_clients_trace(trace
     assert reply.json()["id"] == attributes["chatserve.request_id"].string_value
 
 
-def test_an_embeddings_request_has_its_server_and_parse_spans(traced_app):
-    """/v1/embeddings: the ingress's spans in the client's trace, the operation and the
-    input tokens named (the worker's embedding call records no spans yet)."""
+def test_an_embeddings_request_is_traced_on_both_sides(traced_app):
+    """/v1/embeddings: the ingress's spans and the worker's (admission, queue, the inputs'
+    prefill) in the client's trace, the operation and the input tokens named."""
     trace_id, span_id = 0x1F2E3D4C5B6A79881F2E3D4C5B6A7988, 0x0123456789ABCDEF
     body = {"model": TINY_MODEL_ID, "input": ["Hi there", "Bye"]}
     reply = httpx.post(traced_app + "/v1/embeddings", json=body,
                        headers={"traceparent": f"00-{trace_id:032x}-{span_id:016x}-01"}, timeout=60)
     assert reply.status_code == 200
+    wanted = {"POST /v1/embeddings", "chatserve.parse", "chatserve.worker", "chatserve.admit", "chatserve.queue",
+              "chatserve.prefill"}
     deadline = time.time() + 30
     while time.time() < deadline:
         ours = {span.name: span for _, span in Collector.spans if int.from_bytes(span.trace_id, "big") == trace_id}
-        if {"POST /v1/embeddings", "chatserve.parse"} <= set(ours):
+        if wanted <= set(ours):
             break
         time.sleep(0.5)
-    assert set(ours) == {"POST /v1/embeddings", "chatserve.parse"}
-    server = ours["POST /v1/embeddings"]
+    assert set(ours) == wanted
+    server, worker = ours["POST /v1/embeddings"], ours["chatserve.worker"]
     assert int.from_bytes(server.parent_span_id, "big") == span_id
-    assert ours["chatserve.parse"].parent_span_id == server.span_id
+    assert ours["chatserve.parse"].parent_span_id == worker.parent_span_id == server.span_id
+    assert ours["chatserve.prefill"].parent_span_id == worker.span_id
+    worker_attributes = {a.key: a.value for a in worker.attributes}
+    assert worker_attributes["gen_ai.usage.input_tokens"].int_value == reply.json()["usage"]["prompt_tokens"]
     attributes = {a.key: a.value for a in server.attributes}
     assert attributes["gen_ai.operation.name"].string_value == "embeddings"
     assert attributes["gen_ai.request.model"].string_value == TINY_MODEL_ID

@@ -15,6 +15,7 @@ class EmbedRequest:
     texts: tuple[str, ...] | None = None
     token_ids: tuple[tuple[int, ...], ...] | None = None
     dimensions: int | None = None  # keep the first `dimensions` values (Matryoshka models only)
+    trace_context: dict[str, str] | None = None  # the ingress span's W3C context (a sampled, traced request)
 
 
 @dataclass(frozen=True)

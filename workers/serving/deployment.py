@@ -115,15 +115,16 @@ class ModelWorker:
         timeouts = Timeouts(engine_config.first_token_timeout_s, engine_config.request_timeout_s)
         self._prefill = prefill
         handoffs = KVHandoffs(self.engine, _replica_id(), self._take_from_prefill if prefill is not None else None)
+        worker_tracing = WorkerTracing.from_config(tracing, self.config.id, side)
         self.processor = RequestProcessor(self.engine, loaded.tokenizer, timeouts, vision_prompts(loaded, self.config),
                                           stream_interval=engine_config.stream_interval,
                                           default_max_tokens=self.config.default_max_tokens, handoffs=handoffs,
-                                          tracing=WorkerTracing.from_config(tracing, self.config.id, side))
+                                          tracing=worker_tracing)
         self.tokenization = Tokenization(loaded.tokenizer, self.processor.prompts, self.processor.max_model_len,
                                          self.processor.vision)
         hidden_size = loaded.model.config.get_text_config().hidden_size  # a VLM's is its text model's
         self.embeddings = Embeddings(self.engine, loaded.tokenizer, self.config.pooler_config, hidden_size,
-                                     _embedding_refusal(self._shards, self.processor))
+                                     _embedding_refusal(self._shards, self.processor), tracing=worker_tracing)
         self.channels = ChannelRegistry()
         self._requests_by_channel = self._requests_by_call = 0
         self.adapters = WorkerAdapters(self.engine, self.config.lora, multiplexed=True)

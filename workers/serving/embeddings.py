@@ -5,7 +5,9 @@ prompt beside the generating ones and ends with a pooled vector instead of a tok
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
+import time
 
 from workers.contract.chunks import ErrorInfo
 from workers.contract.embeddings import EmbedRequest, EmbedResult
@@ -14,13 +16,18 @@ from workers.contract.model_config import PoolerConfig
 from workers.contract.sampling_params import Pooling, SamplingParams
 from workers.core.events import TokenEvent
 from workers.serving.async_engine import AsyncEngine, RequestStream
+from workers.serving.request_trace import RequestTiming, WorkerTracing, record_spans
+
+logger = logging.getLogger(__name__)
 
 
 class Embeddings:
     def __init__(self, engine: AsyncEngine, tokenizer, pooler: PoolerConfig, hidden_size: int,
-                 refusal: str | None = None) -> None:
-        """`refusal`: why this model serves no embeddings (e.g. it is split over devices)."""
+                 refusal: str | None = None, tracing: WorkerTracing | None = None) -> None:
+        """`refusal`: why this model serves no embeddings (e.g. it is split over devices);
+        `tracing`: the replica's tracer (a request with a trace context gets its spans)."""
         self.engine = engine
+        self.tracing = tracing
         self.tokenizer = tokenizer
         self.pooler = pooler
         self.hidden_size = hidden_size
@@ -29,13 +36,35 @@ class Embeddings:
 
     async def embed(self, request: EmbedRequest) -> EmbedResult | ErrorInfo:
         """The inputs' vectors, in order; a 400 for an input the engine cannot take."""
+        timing = RequestTiming(request.request_id, time.perf_counter(), 0.0, 0)
         try:
             self._check(request)
             prompts = await asyncio.to_thread(self._token_ids, request)
-            vectors = await self._run(prompts)
+            timing.admitted, timing.prompt_tokens = time.perf_counter(), sum(map(len, prompts))
+            events = await self._run(prompts)
+            # The spans' prefill: from the engine's first step of any input to its last vector.
+            timing.queue_s = min((e.queue_time for e in events if e.queue_time is not None), default=None)
+            timing.first_token = timing.last_token = max(e.time for e in events)
         except WorkerError as exc:
-            return exc.info()
-        return EmbedResult([self._trimmed(v, request.dimensions) for v in vectors], sum(map(len, prompts)))
+            timing.error = exc.info()
+            return timing.error
+        except BaseException as exc:
+            timing.failure, timing.cancelled = type(exc).__name__, isinstance(exc, asyncio.CancelledError)
+            raise
+        finally:
+            self._trace(request, timing)
+        return EmbedResult([self._trimmed(e.embedding, request.dimensions) for e in events], timing.prompt_tokens)
+
+    def _trace(self, request: EmbedRequest, timing: RequestTiming) -> None:
+        """The request's worker spans (admit, queue, prefill), when it is traced."""
+        if self.tracing is None or request.trace_context is None:
+            return
+        timing.end, timing.end_wall_ns = time.perf_counter(), time.time_ns()
+        tracing = self.tracing
+        try:
+            record_spans(tracing.tracer, request.trace_context, tracing.model, tracing.side, timing)
+        except Exception:  # noqa: BLE001 - a span is never worth a request
+            logger.exception("writing the spans of %s failed", request.request_id)
 
     def _check(self, request: EmbedRequest) -> None:
         if self.refusal is not None:
@@ -66,9 +95,9 @@ class Embeddings:
                                   "an input", param="input", code="context_length_exceeded")
         return prompts
 
-    async def _run(self, prompts: list[list[int]]) -> list[list[float]]:
+    async def _run(self, prompts: list[list[int]]) -> list[TokenEvent]:
         """Every prompt submitted at once, so the engine batches them; a caller that leaves
-        aborts those still running."""
+        aborts those still running. Each input's one event (its vector, its queue time)."""
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in prompts]
         streams: list[RequestStream] = []
@@ -118,6 +147,6 @@ def _settle(stream: RequestStream, done: asyncio.Future):
         elif item.error is not None:
             done.set_exception(EngineStepError(f"this input failed inside the engine ({item.error})"))
         else:
-            done.set_result(item.embedding)
+            done.set_result(item)
 
     return sink
