@@ -71,7 +71,8 @@ def invariant_rows(layer: nn.Module, dtype: torch.dtype) -> int:
 
 def make_batch_invariant(model: nn.Module) -> int:
     """Swap every linear layer of `model` for a RowSliced one (float32 `nn.Linear`s packed
-    for oneDNN first), in place; idempotent. Returns the layers wrapped."""
+    for oneDNN first), in place, but for 8-bit quantized ones the probe finds invariant;
+    idempotent. Returns the layers wrapped."""
     pack_linear_layers(model, float32=True)
     found: dict[tuple, int] = {}  # (class, in, out, dtype) -> slice rows
     wrapped = 0
@@ -85,6 +86,11 @@ def make_batch_invariant(model: nn.Module) -> int:
             key = (type(child), child.in_features, child.out_features, dtype)
             if key not in found:
                 found[key] = invariant_rows(child, dtype)
+            if isinstance(child, QuantizedLinear) and child.levels and found[key] == max(SLICE_CANDIDATES):
+                # An 8-bit product sums each row on its own at any row count (cpu_kernels.c,
+                # tested past 64 rows), as the probe confirms here: left whole, so the direct
+                # forward runs it fused (its norms and adds inside, per row too).
+                continue
             setattr(parent, name, RowSliced(child, found[key]))
             wrapped += 1
     logger.info("batch-invariant linears: %d layers; slice rows by shape %s", wrapped,

@@ -129,3 +129,27 @@ def test_the_config_refuses_what_the_mode_does_not_cover(extra, words):
     with pytest.raises(ValueError, match="engine.deterministic"):
         ModelConfig.model_validate({"id": "m", "engine": {"deterministic": True}, **extra})
     ModelConfig.model_validate({"id": "m", "engine": {"deterministic": True}})
+
+
+def test_a_quantized_models_fused_layers_keep_the_mode(tmp_path, prompts, paged_attn_name):
+    """A GGUF Llama with 8-bit activations: its layers run fused (norms, SiLU and residual
+    adds inside the products, rotation and cache write in C), each row on its own, so the
+    mode's guarantee holds for them as for float layers."""
+    from tests.unit.model.test_quantized_weights import Q, _twin_pair
+    from workers.model.gguf_packing import keep_gguf_weights_packed
+
+    _, quantized = _twin_pair(tmp_path / "m.gguf", Q.Q4_1)
+    keep_gguf_weights_packed(quantized, tmp_path / "m.gguf", activations="int8x2")
+    quantized.set_attn_implementation(paged_attn_name)
+    quantized.expects_direct_forward = True
+    engine = make_engine(copy.deepcopy(quantized), deterministic=True)
+    assert all(layer.fused is not None for layer in engine.runner.direct.layers)
+    vocab_prompts = [[t % 96 for t in p] for p in prompts]  # the GGUF model's vocabulary is 96 tokens
+
+    def fresh() -> nn.Module:
+        return copy.deepcopy(quantized)
+
+    alone = target_run(fresh, vocab_prompts, True, neighbours=0)
+    assert target_run(fresh, vocab_prompts, True, neighbours=39) == alone
+    assert target_run(fresh, vocab_prompts, True, neighbours=12, budget=37) == alone
+    assert target_run(fresh, vocab_prompts, True, neighbours=5, cache_hit=True) == alone
