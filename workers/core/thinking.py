@@ -12,12 +12,15 @@ from __future__ import annotations
 from workers.contract.sampling_params import ThinkingBudget
 
 WAITING, COUNTING, FORCING, DONE = "waiting", "counting", "forcing", "done"
+# How far back a prompt is searched for a section it leaves open: templates open it in the
+# generation prompt's last tokens (`<think>\n`); a whole long prompt is not scanned.
+OPEN_TAIL = 64
 
 
 class ThinkingState:
     def __init__(self, budget: ThinkingBudget, prompt_ids: list[int], output_ids: list[int]) -> None:
         self.budget = budget
-        self.stage = COUNTING if _left_open(budget, prompt_ids) else WAITING
+        self.stage = COUNTING if _left_open(budget, prompt_ids[-OPEN_TAIL:]) else WAITING
         self.count = 0  # tokens inside the section (COUNTING), or end ids forced so far (FORCING)
         self._width = max(len(budget.start_ids), len(budget.end_ids), 1)  # the tags' longest
         self._tail = list(prompt_ids[-self._width:])
@@ -57,7 +60,7 @@ def _left_open(budget: ThinkingBudget, prompt_ids: list[int]) -> bool:
 
 
 def _last(tokens: list[int], tag: tuple[int, ...]) -> int:
-    """Where `tag` last ends in `tokens` (-1: nowhere). Scans the prompt once a request."""
+    """Where `tag` last ends in `tokens` (-1: nowhere)."""
     n = len(tag)
     if not n:
         return -1
