@@ -1,6 +1,9 @@
-"""Speculative decoding (ngram) on the default model as served (its Q4_1 blocks, int8x2,
-the served config's engine limits): greedy tokens equal those without speculation on
-the edit prompt of `make bench-spec` and an e2e chat prompt, with proposals taken."""
+"""Speculative decoding on the default model as served (its Q4_1 blocks, int8x2, the
+served config's engine limits): greedy tokens equal those without speculation on the
+edit prompt of `make bench-spec` and an e2e chat prompt, with proposals taken, for ngram
+and for a draft model (the default model's first 28 of 30 layers, the one model with its
+tokenizer at hand: it agrees on about a quarter of its proposals, so both taking and
+refusing are exercised)."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ import pytest
 import torch
 
 from tools.bench.engine import SERVE_CONFIG, served_model_config
-from tools.bench.spec import EDIT_PROMPT
+from tools.bench.spec import EDIT_PROMPT, first_layers
 from workers.contract.model_config import SpeculativeConfig
 from workers.contract.sampling_params import SamplingParams
 from workers.engine.kv_sizing import sized_engine_limits
@@ -30,11 +33,11 @@ def served():
     return config, loaded
 
 
-def _engine(served, speculative: SpeculativeConfig | None) -> LLMEngine:
+def _engine(served, speculative: SpeculativeConfig | None, draft=None) -> LLMEngine:
     config, loaded = served
     cpu = torch.device("cpu")
     limits = sized_engine_limits(config.model_copy(update={"speculative": speculative}), loaded.model, cpu)
-    return LLMEngine(loaded.model, frozenset(), limits, cpu)
+    return LLMEngine(loaded.model, frozenset(), limits, cpu, draft_model=draft)
 
 
 def test_greedy_tokens_equal_without_speculation(served):
@@ -43,8 +46,12 @@ def test_greedy_tokens_equal_without_speculation(served):
                                              tokenize=True, return_dict=False) for p in PROMPTS]
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     outputs = {}
-    for name, spec in (("plain", None), ("ngram", SpeculativeConfig(method="ngram", num_speculative_tokens=4))):
-        engine = _engine(served, spec)
+    draft = SpeculativeConfig(method="draft", num_speculative_tokens=3, draft_source="first-28-layers")
+    for name, spec in (("plain", None), ("ngram", SpeculativeConfig(method="ngram", num_speculative_tokens=4)),
+                       ("draft", draft)):
+        engine = _engine(served, spec, first_layers(served[1].model, 28) if name == "draft" else None)
+        if name == "draft":
+            engine.proposer.cost = 0.05  # proposing at any rate of acceptance: the test wants refusals too
         outputs[name] = []
         for prompt in prompts:  # one at a time: speculation is off from disable_by_batch_size on
             request = engine.add_request(prompt, params)
@@ -53,5 +60,7 @@ def test_greedy_tokens_equal_without_speculation(served):
                 tokens += [e.token_id for e in engine.step() if e.request_id == request]
             outputs[name].append(tokens)
         if spec is not None:
-            assert engine.proposer.counts.accepted_tokens > 10
+            counts = engine.proposer.counts
+            assert counts.accepted_tokens > 10 and (name == "ngram" or counts.draft_tokens > counts.accepted_tokens + 10)
     assert outputs["ngram"] == outputs["plain"]
+    assert outputs["draft"] == outputs["plain"]

@@ -39,12 +39,14 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
 
 
 def make_engine(model, num_blocks=256, block_size=4, eos=frozenset(), tokenizer=None, shard_group=None,
-                stage=None, **limits) -> LLMEngine:
+                stage=None, draft_model=None, **limits) -> LLMEngine:
     """`shard_group`: `model` is the driver's part of a split model (workers/parallel/), by
-    tensors, or by layers when `stage` (its first pipeline stage) is given."""
+    tensors, or by layers when `stage` (its first pipeline stage) is given. `draft_model`:
+    speculative method 'draft's."""
     per_token = shard_kv_shape(model, shard_group.world if shard_group else 1, stage).bytes_per_token
     limits = EngineLimits(block_size=block_size, kv_cache_bytes=num_blocks * block_size * per_token, **limits)
-    engine = LLMEngine(model, eos, limits, CPU, tokenizer=tokenizer, shard_group=shard_group, stage=stage)
+    engine = LLMEngine(model, eos, limits, CPU, tokenizer=tokenizer, shard_group=shard_group, stage=stage,
+                       draft_model=draft_model)
     assert engine.blocks.num_blocks == num_blocks
     return engine
 

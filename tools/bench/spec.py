@@ -13,11 +13,17 @@ median of its rounds (this machine's noise is +-20 % between runs minutes apart)
 engine takes configs/default.yaml's limits, plus `speculative` with the numbers given
 (`--disable-by-batch-size 0` lets a step of any batch propose: what it costs at c=16).
 Reported: output tok/s, TPOT, and with speculation the tokens accepted per proposal and
-the mean tokens a verification step gave its sequence."""
+the mean tokens a verification step gave its sequence.
+
+`--method draft` proposes with a draft model: `--draft-source` (any model source with the
+default model's tokenizer), or by default the default model's own first `--draft-layers`
+layers (no smaller model with its tokenizer is at hand offline; such a draft proposes
+what the early layers already make of the text)."""
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import statistics
@@ -123,12 +129,36 @@ def line(level: Level) -> str:
             + spec)
 
 
+def first_layers(model: torch.nn.Module, count: int) -> torch.nn.Module:
+    """A copy of a decoder-only model with only its first `count` layers (then its own
+    final norm and head): a draft with the model's tokenizer."""
+    draft = copy.deepcopy(model)
+    del draft.model.layers[count:]
+    draft.config.num_hidden_layers = count
+    return draft
+
+
+def load_draft(args: argparse.Namespace, config, target) -> torch.nn.Module | None:
+    if args.method != "draft":
+        return None
+    if args.draft_source is None:
+        return first_layers(target, args.draft_layers)
+    loaded = load_model(args.draft_source, dtype=config.dtype, quantization=config.quantization,
+                        quantized_activations=config.quantized_activations)
+    loaded.model.set_attn_implementation(register_paged_attention())
+    return loaded.model
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--source", default="builtin:smollm2-135m-instruct")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--method", default="ngram", choices=["ngram", "draft"])
+    parser.add_argument("--draft-source", default=None, help="method draft: the draft model's source")
+    parser.add_argument("--draft-layers", type=int, default=8,
+                        help="method draft without --draft-source: the default model's first layers as the draft")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--lookup-min", type=int, default=2)
     parser.add_argument("--lookup-max", type=int, default=4)
@@ -140,16 +170,19 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     keep_freed_memory()
     config = served_model_config(SERVE_CONFIG)
-    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=args.num_speculative_tokens,
+    spec = SpeculativeConfig(method=args.method, num_speculative_tokens=args.num_speculative_tokens,
                              prompt_lookup_min=args.lookup_min, prompt_lookup_max=args.lookup_max,
-                             disable_by_batch_size=args.disable_by_batch_size or None)
+                             disable_by_batch_size=args.disable_by_batch_size or None,
+                             draft_source=(args.draft_source or f"first {args.draft_layers} layers")
+                             if args.method == "draft" else None)
     loaded = load_model(args.source, dtype=config.dtype, quantization=config.quantization,
                         quantized_activations=config.quantized_activations)
     loaded.model.set_attn_implementation(register_paged_attention())
     cpu = torch.device("cpu")
+    draft = load_draft(args, config, loaded.model)
     engines = {flag: LLMEngine(loaded.model, frozenset(),
                                sized_engine_limits(config.model_copy(update={"speculative": spec if flag else None}),
-                                                   loaded.model, cpu), cpu)
+                                                   loaded.model, cpu), cpu, draft_model=draft if flag else None)
                for flag in (False, True)}
 
     def chat_ids(text: str) -> list[int]:

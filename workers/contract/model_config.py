@@ -208,10 +208,15 @@ class SpeculativeConfig(_Strict):
     all (workers/speculative/). Greedy output is the same tokens as without; sampled
     output keeps its distribution (and a seeded request its tokens)."""
 
-    method: str = Field(
+    method: Literal["ngram", "draft"] = Field(
         description="ngram: proposals are the tokens that followed the latest earlier occurrence of the sequence's "
         "last few tokens in its own prompt and output (no second model: pays where answers repeat their input, "
-        "as edits, code and extraction do). A draft model is not built")
+        "as edits, code and extraction do); draft: a smaller model with the same tokenizer (draft_source) "
+        "proposes its own greedy continuation, run by the same engine with its own KV cache")
+    draft_source: str | None = Field(
+        None, description="method draft: the draft model, in any form `source` takes (loaded with this model's "
+        "device, dtype and quantization; its tokenizer must be this model's). Its KV pool holds as many tokens "
+        "as this model's, on top of engine.kv_cache_memory_gib")
     num_speculative_tokens: int = Field(
         ge=1, le=16, description="proposed tokens a sequence feeds at most per step; each sequence proposes as many "
         "as pay by its own recent rate of accepted proposals, and pauses while not even one does")
@@ -225,9 +230,10 @@ class SpeculativeConfig(_Strict):
 
     @model_validator(mode="after")
     def _known_method(self) -> "SpeculativeConfig":
-        if self.method != "ngram":
-            raise ValueError(f"method: {self.method!r} is not available; speculative decoding supports 'ngram' "
-                             "(a draft model is not built)")
+        if self.method == "draft" and not self.draft_source:
+            raise ValueError("method 'draft' needs draft_source (the draft model)")
+        if self.method == "ngram" and self.draft_source is not None:
+            raise ValueError("draft_source is for method 'draft'; method 'ngram' proposes without a second model")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) is above prompt_lookup_max "
                              f"({self.prompt_lookup_max})")
@@ -419,7 +425,14 @@ class ModelConfig(_Strict):
         self._check_parallel(self.deployment.ray_actor_options.get("num_gpus", 0))
         self._check_disaggregation()
         self._check_deterministic()
+        self._check_draft()
         return self
+
+    def _check_draft(self) -> None:
+        if self.speculative is None or self.speculative.method != "draft" or self.parallel.shards == 1:
+            return
+        raise ValueError(f"speculative.method: 'draft' is not available on a model split over shards "
+                         f"(parallel.{self.parallel.split_field}; not built)")
 
     def _check_deterministic(self) -> None:
         """The batch-invariant mode covers what it was built and tested for; the rest is refused."""

@@ -23,6 +23,7 @@ class SpeculativeLimits:
     lookup_min: int  # ngram: the shortest suffix looked up
     lookup_max: int  # ngram: the longest
     disable_by_batch_size: int | None  # no proposals while this many sequences or more run (None: any batch)
+    method: str = "ngram"  # or "draft": a draft model proposes (the engine is given it)
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ def _speculative_limits(config: ModelConfig) -> SpeculativeLimits | None:
     if spec is None:
         return None
     return SpeculativeLimits(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max,
-                             spec.disable_by_batch_size)
+                             spec.disable_by_batch_size, spec.method)
 
 
 class CapacityError(WorkerError, ValueError):

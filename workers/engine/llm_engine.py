@@ -40,6 +40,7 @@ from workers.engine.model_setup import (
     guided_decoder,
     kv_pool,
     model_runner,
+    proposer,
 )
 from workers.engine.pooling import Pooler, embedding_events
 from workers.engine.resume import (
@@ -59,7 +60,7 @@ from workers.parallel.shard_loop import KVPlan
 from workers.sampling.guided import GuideState
 from workers.sampling.logprobs import sampled_logprobs, score_prompts
 from workers.sampling.sampler import Sampler, SamplingTensors
-from workers.speculative.ngram_proposer import NgramProposer, SpeculationCounts
+from workers.speculative.proposals import SpeculationCounts
 from workers.speculative.verification import VerifyRows, accepted_count
 
 
@@ -73,12 +74,14 @@ class LLMEngine:
         tokenizer=None,
         shard_group: ShardGroup | None = None,
         stage: StageLayers | None = None,
+        draft_model: torch.nn.Module | None = None,
     ) -> None:
         """`tokenizer` (a fast HF tokenizer) enables guided decoding; without one, a guided
         request is refused. `shard_group`: `model` is this driver's part of a model split
         over that group (workers/parallel/): by tensors, or by layers when `stage` (the
         first pipeline stage) is given; the other shards mirror its KV pool and run each
-        step it sends them."""
+        step it sends them. `draft_model`: speculative method 'draft's proposer (the same
+        tokenizer, on the same device)."""
         self.limits = limits
         self.device = device
         self.eos_token_ids = eos_token_ids
@@ -98,7 +101,7 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, limits.block_size, limits.enable_prefix_caching)
         # Before the runner: its CUDA graphs capture the LoRA layers too.
         self.lora: AdapterSlots = adapter_slots(model, limits, shard_group, stage)
-        self.proposer = NgramProposer(limits.speculative) if limits.speculative is not None else None
+        self.proposer = proposer(limits, model, draft_model, num_blocks, device)
         self.scheduler = Scheduler(
             SchedulerConfig(limits.max_num_seqs, limits.max_num_batched_tokens,
                             limits.max_prefill_tokens_while_decoding, limits.priority_scheduling),

@@ -3,6 +3,7 @@ decode path (the Triton kernel and CUDA graphs on CUDA, the C kernel on CPU), an
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -10,6 +11,7 @@ import torch
 
 from workers.core.adapter_slots import AdapterSlots, NoAdapters
 from workers.core.limits import EngineLimits
+from workers.engine.block_manager import BlockManager
 from workers.lora.manager import LoraManager
 from workers.model.cpu_attention import cpu_decode_attention
 from workers.model.cuda_graphs import DecodeGraphs
@@ -22,6 +24,9 @@ from workers.parallel.pipeline import StageLayers
 from workers.parallel.shard_group import ShardGroup
 from workers.parallel.shard_loop import shard_kv_shape, shard_lora, split_forward
 from workers.sampling.guided import GuidedDecoder
+from workers.speculative.draft_proposer import DraftProposer
+from workers.speculative.ngram_proposer import NgramProposer
+from workers.speculative.proposals import ROW_COST, Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -111,3 +116,38 @@ def guided_decoder(tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) ->
     except ValueError:  # llguidance reads fast (Rust) tokenizers only
         logger.warning("guided decoding is off: %s is not a fast tokenizer", type(tokenizer).__name__)
         return None
+
+
+def proposer(limits: EngineLimits, model: torch.nn.Module, draft: torch.nn.Module | None, num_blocks: int,
+             device: torch.device) -> Proposer | None:
+    """Speculative decoding's proposer: none, the ngram lookup, or the `draft` model over a
+    KV pool of its own with `num_blocks` blocks (the target's count: a draft never runs out
+    before its target)."""
+    spec = limits.speculative
+    if spec is None:
+        return None
+    if spec.method != "draft":
+        return NgramProposer(spec)
+    if draft is None:
+        raise ValueError("speculative.method 'draft' needs the draft model")
+    vocab, draft_vocab = model.get_output_embeddings().weight.shape[0], draft.get_output_embeddings().weight.shape[0]
+    if draft_vocab > vocab:  # its proposals must be ids the target embeds
+        raise ValueError(f"speculative.draft_source: the draft's vocabulary ({draft_vocab}) is larger than the "
+                         f"model's ({vocab}); a draft needs the model's tokenizer")
+    plain = dataclasses.replace(limits, lora=None, cuda_graph_max_batch=0, speculative=None)
+    kv_cache = PagedKVCache(shard_kv_shape(draft, 1), num_blocks, limits.block_size, device)
+    runner = model_runner(draft, kv_cache, device, decode_path(device, plain), plain, draft_vocab)
+    blocks = BlockManager(num_blocks, limits.block_size, enable_prefix_caching=False)
+    return DraftProposer(spec, runner, blocks, ROW_COST + draft_step_share(draft, model),
+                         limits.max_num_batched_tokens)
+
+
+def draft_step_share(draft: torch.nn.Module, model: torch.nn.Module) -> float:
+    """A draft step's cost as a share of a target step, estimated by the bytes of weights
+    each step reads (decode steps at small batches are bound by those)."""
+    return _weight_bytes(draft) / _weight_bytes(model)
+
+
+def _weight_bytes(model: torch.nn.Module) -> int:
+    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()] if t.numel()}
+    return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -32,7 +32,7 @@ from workers.core.adapter_slots import AdapterSlots, NoAdapters
 from workers.core.batch import ScheduledBatch, ScheduledChunk
 from workers.core.sequence import FinishReason, Sequence, SequenceStatus
 from workers.engine.block_manager import BlockManager
-from workers.speculative.ngram_proposer import NgramProposer
+from workers.speculative.proposals import Proposer, batch_allows
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ def _adapter_slot(chunk: ScheduledChunk) -> int:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 lora: AdapterSlots = NoAdapters(), proposer: NgramProposer | None = None) -> None:
+                 lora: AdapterSlots = NoAdapters(), proposer: Proposer | None = None) -> None:
         """`proposer`: speculative decoding's; a decoding sequence it proposes tokens for
         feeds them after its last one (a verification chunk, checked by the engine)."""
         self.config = config
@@ -154,7 +154,9 @@ class Scheduler:
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         queue = list(self.running)
-        proposing = self.proposer is not None and self.proposer.batch_allows(len(queue))
+        proposing = self.proposer is not None and batch_allows(self.proposer.limits, len(queue))
+        if proposing:
+            self.proposer.prepare(queue)
         while queue and budget > 0:
             seq = queue.pop(0)
             if self.only_request is not None and seq.request_id != self.only_request:

@@ -37,8 +37,9 @@ def build_engine(config: ModelConfig) -> BuiltEngine:
     if world == 1:
         loaded, _ = load_part(config, 0)
         limits = sized_engine_limits(config, loaded.model, device)
-        return BuiltEngine(LLMEngine(loaded.model, eos_token_ids(loaded), limits, device, tokenizer=loaded.tokenizer),
-                           loaded)
+        engine = LLMEngine(loaded.model, eos_token_ids(loaded), limits, device, tokenizer=loaded.tokenizer,
+                           draft_model=load_draft(config, loaded))
+        return BuiltEngine(engine, loaded)
     from workers.serving.shard_actors import (  # Ray, in the replica only
         peak_rss_mib,
         start_shards,
@@ -55,6 +56,28 @@ def build_engine(config: ModelConfig) -> BuiltEngine:
     logger.info("%s split over %d shards, ready in %.1f s; the driver's peak RSS %.0f MiB", config.id, world,
                 time.monotonic() - started, peak_rss_mib())
     return BuiltEngine(engine, loaded, shards)
+
+
+def load_draft(config: ModelConfig, target: LoadedModel) -> torch.nn.Module | None:
+    """Speculative method 'draft's model, loaded as the target is (device, dtype,
+    quantization); a ValueError naming the field when its tokenizer is not the target's."""
+    spec = config.speculative
+    if spec is None or spec.method != "draft":
+        return None
+    draft, _ = load_part(config.model_copy(update={"source": spec.draft_source}), 0)
+    if not same_tokenizer(draft.tokenizer, target.tokenizer):
+        raise ValueError(f"model {config.id!r}: speculative.draft_source: {spec.draft_source!r} has another "
+                         "tokenizer than the model's (a draft's proposals are the model's token ids)")
+    logger.info("%s: draft model %s loaded", config.id, spec.draft_source)
+    return draft.model
+
+
+def same_tokenizer(a, b) -> bool:
+    """Whether two tokenizers map the same strings to the same ids (both absent: no way to
+    tell, taken as the same)."""
+    if a is None or b is None:
+        return a is b
+    return a.get_vocab() == b.get_vocab()
 
 
 def _node_address() -> str:

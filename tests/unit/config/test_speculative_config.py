@@ -19,6 +19,14 @@ def test_ngram_sets_the_engine_limits():
     assert ModelConfig.model_validate(model.model_dump()) == model  # the ingress re-reads the dumped config
 
 
+def test_draft_sets_the_method_and_refuses_a_split_model():
+    spec = {"method": "draft", "num_speculative_tokens": 4, "draft_source": "/models/small"}
+    limits = engine_limits(ModelConfig(id="m", source="/models/m", speculative=spec), 2048)
+    assert limits.speculative.method == "draft" and limits.speculative.num_tokens == 4
+    with pytest.raises(ConfigError, match=r"models\.0.*'draft' is not available on a model split over shards"):
+        parse_app_config(_app({"speculative": spec, "parallel": {"tensor_parallel_size": 2}}))
+
+
 def test_speculation_turns_async_scheduling_off():
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     gpu = {"id": "m", "source": "/models/m", "device": "cuda", "deployment": {"ray_actor_options": {"num_gpus": 1}}}
@@ -31,7 +39,10 @@ def _app(model_fields: dict) -> dict:
 
 
 @pytest.mark.parametrize(("speculative", "message"), [
-    ({"method": "draft", "num_speculative_tokens": 3}, r"models\.0\.speculative.*'draft' is not available"),
+    ({"method": "draft", "num_speculative_tokens": 3}, r"models\.0\.speculative.*'draft' needs draft_source"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "draft_source": "/models/d"},
+     r"models\.0\.speculative.*draft_source is for method 'draft'"),
+    ({"method": "eagle", "num_speculative_tokens": 3}, r"models\.0\.speculative\.method"),
     ({"method": "ngram"}, r"models\.0\.speculative\.num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 0}, r"models\.0\.speculative\.num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 5, "prompt_lookup_max": 3},

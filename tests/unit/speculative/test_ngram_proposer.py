@@ -8,6 +8,7 @@ from workers.contract.sampling_params import SamplingParams
 from workers.core.limits import SpeculativeLimits
 from workers.core.sequence import Sequence
 from workers.speculative.ngram_proposer import NgramIndex, NgramProposer
+from workers.speculative.proposals import batch_allows
 
 LIMITS = SpeculativeLimits(num_tokens=4, lookup_min=1, lookup_max=3, disable_by_batch_size=3)
 
@@ -71,5 +72,5 @@ def test_requests_it_leaves_alone():
     guided = _seq([3, 1, 2])
     guided.guide = object()
     assert proposer.propose(guided, 4) == ()
-    assert proposer.batch_allows(2) and not proposer.batch_allows(3)
-    assert NgramProposer(SpeculativeLimits(4, 1, 3, None)).batch_allows(1000)
+    assert batch_allows(LIMITS, 2) and not batch_allows(LIMITS, 3)
+    assert batch_allows(SpeculativeLimits(4, 1, 3, None), 1000)
