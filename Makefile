@@ -43,8 +43,10 @@ SERVE_ENV := RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_HAPROXY_NBTHREAD=1 \
 serve: $(STAMP)
 	$(SERVE_ENV) $(BIN)/serve run configs/default.yaml
 
+# Two pytest processes at once (tools/run_tests.py): the Ray/server tests, mostly waiting on
+# their processes, beside the in-process tests (one torch thread each), so both cores work.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m tools.run_tests
 
 # On a CUDA machine: the Triton decode kernel on the device, decode CUDA graphs == eager ==
 # transformers, graphs under preemption: the tests marked `gpu` (`make test` skips those needing CUDA).

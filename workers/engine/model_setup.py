@@ -138,8 +138,11 @@ def proposer(limits: EngineLimits, model: torch.nn.Module, draft: torch.nn.Modul
     kv_cache = PagedKVCache(shard_kv_shape(draft, 1), num_blocks, limits.block_size, device)
     runner = model_runner(draft, kv_cache, device, decode_path(device, plain), plain, draft_vocab)
     blocks = BlockManager(num_blocks, limits.block_size, enable_prefix_caching=False)
-    return DraftProposer(spec, runner, blocks, ROW_COST + draft_step_share(draft, model),
-                         limits.max_num_batched_tokens)
+    share = draft_step_share(draft, model)
+    if share + ROW_COST >= 1:  # every token passes through the draft once, proposed after or not
+        logger.warning("the draft model reads %.0f%% of the model's weight bytes a step: it cannot make decoding "
+                       "faster (a draft pays at a few percent)", 100 * share)
+    return DraftProposer(spec, runner, blocks, ROW_COST + share, limits.max_num_batched_tokens)
 
 
 def draft_step_share(draft: torch.nn.Module, model: torch.nn.Module) -> float:
