@@ -8,7 +8,6 @@ printed whole when it ends, and the exit status fails if either part fails.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import tempfile
@@ -31,17 +30,17 @@ def parts() -> dict[str, list[str]]:
 def main(argv: list[str]) -> int:
     started = time.monotonic()
     running = {}
+    split = parts()
     with tempfile.TemporaryDirectory() as scratch:
-        for name, paths in parts().items():
+        for name, paths in split.items():
             log = open(Path(scratch) / f"{name}.log", "w+")
             command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths, *argv]
-            running[name] = (subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                              env=os.environ.copy()), log)
+            running[name] = (subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT), log)
         failed = []
         for name, (process, log) in running.items():
             code = process.wait()
             log.seek(0)
-            print(f"===== {name} ({' '.join(parts()[name])}): exit {code}", flush=True)
+            print(f"===== {name} ({' '.join(split[name])}): exit {code}", flush=True)
             sys.stdout.write(log.read())
             log.close()
             if code:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from workers.contract.model_config import BUILTIN_DEFAULT_MODEL
-from workers.model.loader import load_model
+from workers.model.loader import load_model, weight_bytes
 from workers.quant.native_kernels import kernels
 from workers.quant.quantized_layers import QuantizedEmbedding, QuantizedLinear
 
@@ -20,15 +20,6 @@ CHATS = [
                                    "the user."},
      {"role": "user", "content": "Hi, can you tell me the delivery date for my order? my order id is 12345."}],
 ]
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's tensors on a real device, each storage once."""
-    storages = {}
-    for tensor in list(model.parameters()) + list(model.buffers()):
-        if not tensor.is_meta:
-            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-    return sum(storages.values())
 
 
 @pytest.fixture(scope="module")

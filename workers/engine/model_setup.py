@@ -17,6 +17,7 @@ from workers.model.cpu_attention import cpu_decode_attention
 from workers.model.cuda_graphs import DecodeGraphs
 from workers.model.direct_forward import direct_forward_for
 from workers.model.kv_cache import KVCacheShape, PagedKVCache
+from workers.model.loader import weight_bytes
 from workers.model.runner import ModelRunner
 from workers.model.triton_attention import triton_available
 from workers.parallel.driver import DriverForward
@@ -138,19 +139,14 @@ def proposer(limits: EngineLimits, model: torch.nn.Module, draft: torch.nn.Modul
     kv_cache = PagedKVCache(shard_kv_shape(draft, 1), num_blocks, limits.block_size, device)
     runner = model_runner(draft, kv_cache, device, decode_path(device, plain), plain, draft_vocab)
     blocks = BlockManager(num_blocks, limits.block_size, enable_prefix_caching=False)
-    share = draft_step_share(draft, model)
-    if share + ROW_COST >= 1:  # every token passes through the draft once, proposed after or not
+    cost = ROW_COST + draft_step_share(draft, model)  # of a proposed token, as a share of a target step
+    if cost >= 1:  # every token passes through the draft once, proposed after or not
         logger.warning("the draft model reads %.0f%% of the model's weight bytes a step: it cannot make decoding "
-                       "faster (a draft pays at a few percent)", 100 * share)
-    return DraftProposer(spec, runner, blocks, ROW_COST + share, limits.max_num_batched_tokens)
+                       "faster (a draft pays at a few percent)", 100 * (cost - ROW_COST))
+    return DraftProposer(spec, runner, blocks, cost, limits.max_num_batched_tokens)
 
 
 def draft_step_share(draft: torch.nn.Module, model: torch.nn.Module) -> float:
     """A draft step's cost as a share of a target step, estimated by the bytes of weights
     each step reads (decode steps at small batches are bound by those)."""
-    return _weight_bytes(draft) / _weight_bytes(model)
-
-
-def _weight_bytes(model: torch.nn.Module) -> int:
-    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()] if t.numel()}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    return weight_bytes(draft) / weight_bytes(model)

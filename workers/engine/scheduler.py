@@ -32,7 +32,7 @@ from workers.core.adapter_slots import AdapterSlots, NoAdapters
 from workers.core.batch import ScheduledBatch, ScheduledChunk
 from workers.core.sequence import FinishReason, Sequence, SequenceStatus
 from workers.engine.block_manager import BlockManager
-from workers.speculative.proposals import Proposer, batch_allows
+from workers.speculative.proposals import Proposer, batch_allows, output_room
 
 
 @dataclass(frozen=True)
@@ -192,9 +192,7 @@ class Scheduler:
         (a proposal never preempts anyone); the tokens it feeds (0: none scheduled)."""
         if seq.num_uncomputed_tokens != 1:
             return 0
-        params = seq.params
-        room = min(budget, params.max_tokens - seq.num_output_tokens, seq.max_model_len - seq.num_tokens) - 1
-        draft = self.proposer.propose(seq, room)
+        draft = self.proposer.propose(seq, min(budget - 1, output_room(seq)))
         if not draft or self.blocks.blocks_needed(seq, 1 + len(draft)) > self.blocks.num_free_blocks:
             return 0
         batch.block_copies.extend(self.blocks.allocate(seq, 1 + len(draft)))

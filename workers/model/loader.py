@@ -64,6 +64,16 @@ class LoadedModel:
         return token_id
 
 
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's tensors on a real device, each storage once (a tied head's
+    blocks shared with the embedding count once)."""
+    storages = {}
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if not tensor.is_meta:
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
 def builtin_gguf_path(name: str) -> Path:
     package, filename = _BUILTIN_GGUF[name]
     spec = importlib.util.find_spec(package)  # located, not imported: the package imports llama_cpp

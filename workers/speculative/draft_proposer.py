@@ -126,23 +126,19 @@ class DraftProposer:
 
     def _feed(self, feeds: list[tuple[_Shadow, int]]) -> list[tuple[_Shadow, int]]:
         """One draft forward; the shadows that want another proposal after it."""
-        decodes, prefills = [], []
         for shadow, n in feeds:
             self.blocks.allocate(shadow.seq, n)
-            chunk = ScheduledChunk.of(shadow.seq, n)
-            (decodes if n == 1 and chunk.samples else prefills).append(chunk)
-        logits = self.model.forward(decodes, prefills)[0]
-        by_seq = {id(shadow.seq): shadow for shadow, _ in feeds}
-        sampled = [c for c in decodes + prefills if c.samples]  # the logits rows' order
+        chunks = [(shadow, ScheduledChunk.of(shadow.seq, n)) for shadow, n in feeds]
+        decodes = [(s, c) for s, c in chunks if c.num_tokens == 1 and c.samples]
+        prefills = [(s, c) for s, c in chunks if not (c.num_tokens == 1 and c.samples)]
+        logits = self.model.forward([c for _, c in decodes], [c for _, c in prefills])[0]
+        sampled = [shadow for shadow, chunk in decodes + prefills if chunk.samples]  # the logits rows' order
         tokens = logits.max(dim=-1).indices.tolist() if sampled else []
-        for chunk in decodes + prefills:
-            chunk.seq.num_computed_tokens += chunk.num_tokens
+        for shadow, chunk in chunks:
+            shadow.seq.num_computed_tokens += chunk.num_tokens
         again = []
-        for chunk, token in zip(sampled, tokens):
-            shadow = by_seq[id(chunk.seq)]
-            if len(shadow.proposal) == shadow.wanted:
-                continue  # caught up, but proposing nothing this step
-            chunk.seq.token_ids.append(token)
+        for shadow, token in zip(sampled, tokens):  # only a caught-up shadow samples, and it wants a proposal
+            shadow.seq.token_ids.append(token)
             shadow.proposal += (token,)
             if len(shadow.proposal) < shadow.wanted:
                 again.append((shadow, 1))
