@@ -15,15 +15,25 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# The parts that run Ray or other processes; everything else under tests/ is in-process.
-PROCESS_TESTS = ("tests/serve", "tests/reliability", "tests/clients", "tests/e2e", "tests/tools")
+# What starts Ray clusters, servers or other processes (folders, or single files where the
+# rest of a folder is in-process); everything else under tests/ is in-process.
+PROCESS_TESTS = ("tests/serve", "tests/reliability", "tests/clients", "tests/e2e/test_default_model_e2e.py",
+                 "tests/tools/test_bench_compare.py", "tests/tools/test_bench_gpu_service.py",
+                 "tests/tools/test_servers.py", "tests/tools/test_cpu_share.py")
 
 
 def parts() -> dict[str, list[str]]:
-    tests = ROOT / "tests"
-    in_process = sorted(f"tests/{p.name}" for p in tests.iterdir()
-                        if p.is_dir() and f"tests/{p.name}" not in PROCESS_TESTS and p.name != "support"
-                        and not p.name.startswith(("_", ".")))
+    in_process = []
+    for folder in sorted((ROOT / "tests").iterdir()):
+        name = f"tests/{folder.name}"
+        if not folder.is_dir() or folder.name == "support" or folder.name.startswith(("_", ".")) \
+                or name in PROCESS_TESTS:
+            continue
+        if any(path.startswith(name + "/") for path in PROCESS_TESTS):  # split: its other test files
+            in_process += sorted(f"{name}/{f.name}" for f in folder.glob("test_*.py")
+                                 if f"{name}/{f.name}" not in PROCESS_TESTS)
+        else:
+            in_process.append(name)
     return {"processes": list(PROCESS_TESTS), "in-process": in_process}
 
 

@@ -272,69 +272,103 @@ static inline int thread_index(void) {
 #endif
 }
 
-/* 0 on success; 1: an unsupported dtype, block size or head grouping (the caller takes
-   its general path). `window` <= 0: none; `softcap` <= 0: none. */
-int paged_decode_attention(int dtype, const void *q, int64_t q_stride, const void *k, const void *v, int64_t heads,
-                           int64_t kv_heads, int64_t head_dim, int64_t block_size, const int64_t *tables,
-                           int64_t width, const int32_t *lens, int64_t num_seqs, float scale, int64_t window,
-                           float softcap, void *out, int threads) {
+/* How one call's work is cut: its tasks (sequence, "KV head", partition) and scratch, the
+   same for every layer of a step with the same window (cpu_decoder.c plans once a step).
+   A task takes the query heads of one KV head; with fewer tasks than two a thread (one
+   stream's short context: 3 on 2 threads for the default model), one query head each, so
+   that the threads share the work evenly (a step at batch 1 is 10-15 % faster). A head's
+   sums are its own either way. */
+typedef struct {
+    int64_t tasks, split, kv_heads, group, per_thread, per_part, products, team;  /* team: threads with scratch */
+    int64_t *seq_first;  /* task numbers of each sequence's first partition (num_seqs + 1) */
+    int64_t *task_seq;   /* each task's sequence */
+    float *work;         /* per_thread floats a thread, then per_part floats a task */
+} attention_plan;
+
+static void free_plan(attention_plan *plan) {
+    free(plan->seq_first), free(plan->task_seq), free(plan->work);
+    plan->seq_first = plan->task_seq = NULL, plan->work = NULL;
+}
+
+/* 0, or 1 (nothing allocated) for a shape the kernel does not take or no memory. */
+static int plan_attention(attention_plan *plan, int dtype, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                          int64_t block_size, const int32_t *lens, int64_t num_seqs, int64_t window, int threads) {
 #ifndef __F16C__
     if (dtype == DT_FLOAT16) return 1;
 #endif
-    if (dtype < DT_FLOAT32 || dtype > DT_FLOAT16 || block_size > MAX_BLOCK || heads % kv_heads) return 1;
-    /* A task takes the query heads of one KV head; with fewer (sequence, KV head, partition)
-       tasks than two a thread (one stream's short context: 3 on 2 threads for the default
-       model), one query head each, so that the threads share the work evenly (a step at
-       batch 1 is 10-15 % faster). A head's sums are its own either way. */
+    if (dtype < DT_FLOAT32 || dtype > DT_FLOAT16 || block_size > MAX_BLOCK || kv_heads <= 0 || heads % kv_heads)
+        return 1;
     int64_t tasks = 0, products = 0, split = 1;
     for (int64_t seq = 0; seq < num_seqs; seq++) tasks += kv_heads * partitions(lens[seq], window);
     if (tasks < 2 * (int64_t)threads) split = heads / kv_heads;
     kv_heads *= split;  /* from here on, "KV heads" of `group` query heads; `split` of them read one cache head */
     const int64_t group = heads / kv_heads, per_thread = thread_work(group, head_dim);
-    const int64_t per_part = part_floats(group, head_dim);
-    /* Task t: sequence task_seq[t], its partitions numbered from seq_first[seq] (each KV head's in a row). */
+    const int64_t per_part = part_floats(group, head_dim), team = threads > 0 ? threads : 1;
     tasks = 0;
     int64_t *seq_first = malloc((size_t)(num_seqs + 1) * sizeof(int64_t));
     if (seq_first == NULL) return 1;
     for (int64_t seq = 0; seq < num_seqs; seq++) {
         seq_first[seq] = tasks;
         tasks += kv_heads * partitions(lens[seq], window);
-        products += (int64_t)lens[seq] * heads * head_dim;  /* below SERIAL_WORK a team costs more than it saves */
+        products += (int64_t)lens[seq] * heads * head_dim;
     }
     seq_first[num_seqs] = tasks;
     int64_t *task_seq = malloc((size_t)(tasks > 0 ? tasks : 1) * sizeof(int64_t));
-    float *work = malloc((size_t)(per_thread * (threads > 0 ? threads : 1) + per_part * tasks) * sizeof(float));
+    float *work = malloc((size_t)(per_thread * team + per_part * tasks) * sizeof(float));
     if (task_seq == NULL || work == NULL) {
         free(seq_first), free(task_seq), free(work);
         return 1;
     }
     for (int64_t seq = 0; seq < num_seqs; seq++)
         for (int64_t t = seq_first[seq]; t < seq_first[seq + 1]; t++) task_seq[t] = seq;
-    float *results = work + per_thread * (threads > 0 ? threads : 1);
-#pragma omp parallel num_threads(threads) if (products >= SERIAL_WORK)
-    {
-        float *mine = work + thread_index() * per_thread, *qf = mine + group * MAX_BLOCK + 8 * head_dim;
+    *plan = (attention_plan){tasks, split, kv_heads, group, per_thread, per_part, products, team, seq_first, task_seq,
+                             work};
+    return 0;
+}
+
+/* The planned tasks, then the merges, each an orphaned `omp for` shared by the calling
+   team (outside a parallel region, all done by the calling thread). */
+static void attend_shared(const attention_plan *plan, int dtype, const void *q, int64_t q_stride, const void *k,
+                          const void *v, int64_t heads, int64_t head_dim, int64_t block_size, const int64_t *tables,
+                          int64_t width, const int32_t *lens, int64_t num_seqs, float scale, int64_t window,
+                          float softcap, void *out) {
+    const int64_t group = plan->group, kv_heads = plan->kv_heads, split = plan->split, per_part = plan->per_part;
+    const int64_t *seq_first = plan->seq_first, *task_seq = plan->task_seq;
+    float *mine = plan->work + thread_index() * plan->per_thread, *qf = mine + group * MAX_BLOCK + 8 * head_dim;
+    float *results = plan->work + plan->per_thread * plan->team;
 #pragma omp for schedule(static)
-        for (int64_t task = 0; task < tasks; task++) {
-            int64_t seq = task_seq[task], len = lens[seq], count = partitions(len, window);
-            int64_t kv_head = (task - seq_first[seq]) / count, part = (task - seq_first[seq]) % count;
-            int64_t first = first_key(len, window) + part * PARTITION;
-            int64_t end = first + PARTITION < len ? first + PARTITION : len;
-            for (int64_t h = 0; h < group; h++)
-                widen_row(dtype, q, seq * q_stride + (kv_head * group + h) * head_dim, head_dim, qf + h * head_dim);
-            float *result = results + task * per_part;
-            attend_range(dtype, qf, k, v, kv_heads / split, kv_head / split, head_dim, block_size, tables + seq * width,
-                         first, end, group, scale, softcap, result, result + group * head_dim,
-                         result + group * head_dim + group, mine);
-        }
-#pragma omp for schedule(static)
-        for (int64_t pair = 0; pair < num_seqs * kv_heads; pair++) {
-            int64_t seq = pair / kv_heads, kv_head = pair % kv_heads, count = partitions(lens[seq], window);
-            merge_partitions(dtype, results + (seq_first[seq] + kv_head * count) * per_part, count, group, head_dim,
-                             out, seq * heads * head_dim + kv_head * group * head_dim, mine);
-        }
+    for (int64_t task = 0; task < plan->tasks; task++) {
+        int64_t seq = task_seq[task], len = lens[seq], count = partitions(len, window);
+        int64_t kv_head = (task - seq_first[seq]) / count, part = (task - seq_first[seq]) % count;
+        int64_t first = first_key(len, window) + part * PARTITION;
+        int64_t end = first + PARTITION < len ? first + PARTITION : len;
+        for (int64_t h = 0; h < group; h++)
+            widen_row(dtype, q, seq * q_stride + (kv_head * group + h) * head_dim, head_dim, qf + h * head_dim);
+        float *result = results + task * per_part;
+        attend_range(dtype, qf, k, v, kv_heads / split, kv_head / split, head_dim, block_size, tables + seq * width,
+                     first, end, group, scale, softcap, result, result + group * head_dim,
+                     result + group * head_dim + group, mine);
     }
-    free(seq_first), free(task_seq), free(work);
+#pragma omp for schedule(static)
+    for (int64_t pair = 0; pair < num_seqs * kv_heads; pair++) {
+        int64_t seq = pair / kv_heads, kv_head = pair % kv_heads, count = partitions(lens[seq], window);
+        merge_partitions(dtype, results + (seq_first[seq] + kv_head * count) * per_part, count, group, head_dim,
+                         out, seq * heads * head_dim + kv_head * group * head_dim, mine);
+    }
+}
+
+/* 0 on success; 1: an unsupported dtype, block size or head grouping (the caller takes
+   its general path). `window` <= 0: none; `softcap` <= 0: none. */
+int paged_decode_attention(int dtype, const void *q, int64_t q_stride, const void *k, const void *v, int64_t heads,
+                           int64_t kv_heads, int64_t head_dim, int64_t block_size, const int64_t *tables,
+                           int64_t width, const int32_t *lens, int64_t num_seqs, float scale, int64_t window,
+                           float softcap, void *out, int threads) {
+    attention_plan plan;
+    if (plan_attention(&plan, dtype, heads, kv_heads, head_dim, block_size, lens, num_seqs, window, threads)) return 1;
+#pragma omp parallel num_threads(threads) if (plan.products >= SERIAL_WORK)  /* below, a team costs more than it saves */
+    attend_shared(&plan, dtype, q, q_stride, k, v, heads, head_dim, block_size, tables, width, lens, num_seqs, scale,
+                  window, softcap, out);
+    free_plan(&plan);
     return 0;
 }
 
@@ -357,14 +391,19 @@ static void rotate_row(float *x, const float *cos, const float *signed_sin, int6
 }
 #pragma GCC pop_options
 
-int rotate_and_cache(float *qkv, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                     const float *cos, const float *signed_sin, const int64_t *slots, int64_t num_slots,
-                     float *k_cache, float *v_cache, int threads) {
-    if (head_dim % 2 || head_dim > MAX_HEAD_DIM) return 1;
+static int rotation_takes(int64_t head_dim, const int64_t *slots, int64_t tokens, int64_t num_slots) {
+    if (head_dim % 2 || head_dim > MAX_HEAD_DIM) return 0;
     for (int64_t t = 0; t < tokens; t++)
-        if (slots[t] < 0 || slots[t] >= num_slots) return 1;  /* nothing written: torch's path raises */
+        if (slots[t] < 0 || slots[t] >= num_slots) return 0;  /* nothing written: torch's path raises */
+    return 1;
+}
+
+/* The tokens' rotations and cache writes, an orphaned `omp for` (see attend_shared). */
+static void rotate_and_cache_shared(float *qkv, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                    const float *cos, const float *signed_sin, const int64_t *slots, float *k_cache,
+                                    float *v_cache) {
     const int64_t width = (heads + 2 * kv_heads) * head_dim, kv_width = kv_heads * head_dim;
-#pragma omp parallel for schedule(static) num_threads(threads) if (tokens * width >= SERIAL_WORK)
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < tokens; t++) {
         float tmp[MAX_HEAD_DIM], *row = qkv + t * width;
         for (int64_t h = 0; h < heads + kv_heads; h++)
@@ -372,5 +411,14 @@ int rotate_and_cache(float *qkv, int64_t tokens, int64_t heads, int64_t kv_heads
         memcpy(k_cache + slots[t] * kv_width, row + heads * head_dim, (size_t)kv_width * sizeof(float));
         memcpy(v_cache + slots[t] * kv_width, row + (heads + kv_heads) * head_dim, (size_t)kv_width * sizeof(float));
     }
+}
+
+int rotate_and_cache(float *qkv, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                     const float *cos, const float *signed_sin, const int64_t *slots, int64_t num_slots,
+                     float *k_cache, float *v_cache, int threads) {
+    if (!rotation_takes(head_dim, slots, tokens, num_slots)) return 1;
+    const int64_t width = (heads + 2 * kv_heads) * head_dim;
+#pragma omp parallel num_threads(threads) if (tokens * width >= SERIAL_WORK)
+    rotate_and_cache_shared(qkv, tokens, heads, kv_heads, head_dim, cos, signed_sin, slots, k_cache, v_cache);
     return 0;
 }

@@ -12,7 +12,9 @@ bit for bit (tests/unit/model/test_direct_forward.py); on a CPU the rotation and
 cache write are one C pass giving the same bits (cpu_attention.c). A layer whose products
 are 8-bit QuantizedLinears goes further (`_FusedNorms`): its norms, SiLU gate and residual
 adds run inside those products, within the activations' rounding of the separate operators
-(tests/unit/model/test_fused_products.py).
+(tests/unit/model/test_fused_products.py). When every layer is fused, a step of decode rows
+on the CPU runs all of them in one C call (cpu_decoder.py: the same operations, one OpenMP
+region instead of six calls from Python a layer).
 
 It runs only what it was written for: Llama, Mistral, Qwen2 and Qwen3 models (Qwen3's
 per-head RMSNorm of q and k included) with their sibling projections fused
@@ -39,6 +41,7 @@ from torch import nn
 
 from workers.model.attention import AttentionMetadata, LayerAttention, attend_packed
 from workers.model.cpu_attention import cpu_decode_attention
+from workers.model.cpu_decoder import DecodeLayers, FusedLayer, decode_layers_for
 from workers.model.fused_projections import ProjectionSlice
 from workers.quant.native_kernels import PROLOGUE_RMS_NORM, PROLOGUE_SILU_GATE
 from workers.quant.quantized_layers import QuantizedLinear
@@ -196,9 +199,21 @@ class DirectForward:
         self.layers = [self._layer(model, index - layers.start, body.layers[index], heads, kv_heads,
                                    fusable=shards is None)
                        for index in layers]
+        self.decode_layers = self._decode_layers() if shards is None else None
         head_norm = _norm_weights(body.norm)
         self.fused_head = (head_norm if shards is None and head_norm is not None
                            and type(self.lm_head) is QuantizedLinear and self.lm_head.fusable() else None)
+
+    def _decode_layers(self) -> DecodeLayers | None:
+        """The one-call decode step over every layer, where all are fused without head norms."""
+        if not self.layers or any(layer.fused is None or layer.head_norms is not None for layer in self.layers):
+            return None
+        first = self.layers[0]
+        return decode_layers_for(
+            [FusedLayer(layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj, layer.fused.input, layer.fused.post,
+                        layer.fused.eps, layer.attention.scale, layer.attention.window, layer.attention.softcap)
+             for layer in self.layers],
+            first.heads, first.kv_heads, first.head_dim)
 
     @staticmethod
     def _layer(model: nn.Module, index: int, layer: nn.Module, heads: int, kv_heads: int, fusable: bool) -> _Layer:
@@ -245,6 +260,10 @@ class DirectForward:
         # the sign moves onto the sine once a step: -(a * b) == a * -b exactly in floats.
         half = sin.shape[-1] // 2
         signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        if self._all_decodes_in_one_call(x, meta):
+            x = x.clone()  # changed in place
+            if self.decode_layers(x, cos, signed_sin, meta):
+                return x
         owned = False  # the fused layers add into x in place: once on a copy of their own
         for layer in self.layers:
             if layer.fused is not None:
@@ -256,6 +275,10 @@ class DirectForward:
             x = x + self._summed(self._mlp(layer, layer.post_norm(x)))
             owned = True
         return x
+
+    def _all_decodes_in_one_call(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
+        return (self.decode_layers is not None and meta.cpu_decode and not meta.prefills
+                and meta.num_decode_tokens == x.shape[0] and x.dtype == torch.float32 and x.device.type == "cpu")
 
     def head(self, x: torch.Tensor, logits_to_keep: torch.Tensor) -> torch.Tensor | None:
         """The logits [1, K, vocab] of the kept rows (None on a tensor shard that is not the driver)."""

@@ -3,8 +3,8 @@ once per machine, and loads it through ctypes (which releases the GIL for each c
 
 A build takes about a second, so it is done at the first use rather than at install time:
 `-march=native` makes it the best code for the CPU it runs on, and the cache key holds
-the source, the compiler and the CPU's flags, so a cache directory shared by machines of
-different kinds keeps one build for each. torch is imported first so the library's
+the source with every file it includes, the compiler and the CPU's flags, so a cache
+directory shared by machines of different kinds keeps one build for each. torch is imported first so the library's
 OpenMP calls land in torch's own runtime (one thread pool for both).
 """
 
@@ -14,6 +14,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -26,7 +27,7 @@ from workers.contract.model_config import default_cache_dir
 logger = logging.getLogger(__name__)
 
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-HEADERS = Path(__file__).parent  # the shared headers the C sources include by relative path
+LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
 
 def compiler() -> str | None:
@@ -64,12 +65,25 @@ def built_library(cc: str, source: Path) -> Path:
 
 def _build_key(cc: str, source: Path) -> str:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    digest = hashlib.sha256(source.read_bytes())
-    for header in sorted(HEADERS.glob("*.h")):  # what the sources include (vector_math.h)
-        digest.update(header.read_bytes())
+    digest = hashlib.sha256()
+    for included in local_sources(source):  # the source and what it includes (vector_math.h, other sources)
+        digest.update(included.read_bytes())
     for part in (version, " ".join(COMPILE_FLAGS), _cpu_flags()):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
+
+
+def local_sources(source: Path) -> list[Path]:
+    """`source` and every file it includes by a quoted relative path, recursively, once each."""
+    found, pending = [], [source.resolve()]
+    while pending:
+        path = pending.pop()
+        if path in found:
+            continue
+        found.append(path)
+        for name in LOCAL_INCLUDE.findall(path.read_text()):
+            pending.append((path.parent / name).resolve())
+    return found
 
 
 def _cpu_flags() -> str:

@@ -381,11 +381,13 @@ int quantized_matmul(int fmt, const uint8_t *w, int64_t N, int64_t K, const floa
 #endif
 #define RUN_BYTES 4  /* a row's bytes in each 32-byte run */
 
-/* `buffers`: K floats for each task of ROUNDING_ROWS rows. */
+/* Every row rounded, shared by the calling team's threads: an orphaned `omp for`, so a
+   caller inside a parallel region splits the rows over its team (cpu_decoder.c's layers)
+   and one outside it does them all. `buffers`: K floats for each task of ROUNDING_ROWS rows. */
 #define ROUNDING_ROWS 16
-static void quantize_activations_parallel(const float *x, int64_t M, int64_t K, int levels, int8_t *xq,
-                                          act_block *meta, const prologue *pro, float *buffers, int threads) {
-    #pragma omp parallel for schedule(static) num_threads(threads) if (M * K > 65536)
+static void quantize_activations_shared(const float *x, int64_t M, int64_t K, int levels, int8_t *xq,
+                                        act_block *meta, const prologue *pro, float *buffers) {
+    #pragma omp for schedule(static)
     for (int64_t m0 = 0; m0 < M; m0 += ROUNDING_ROWS) {
         int64_t rows = M - m0 < ROUNDING_ROWS ? M - m0 : ROUNDING_ROWS;
         quantize_activations(x + m0 * pro->ldx, rows, K, levels, xq + m0 * levels * K,
@@ -588,19 +590,24 @@ int64_t interleaved_matmul_work_bytes(int64_t M, int64_t K, int levels) {
    product instead of y = it. Returns 0, or -1 for an unknown format or a shape the layout
    does not take. */
 #define PANEL_BYTES 16384
-static int interleaved_product(int fmt, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M, float *y,
-                               void *work, int levels, int threads, const prologue *pro, int accumulate) {
-    int64_t bb = block_bytes(fmt);
-    if (bb < 0 || fmt == FMT_F8_F32 || K % QK || N % GROUP_ROWS || (levels != 1 && levels != 2)) return -1;
-    int64_t nblocks = K / QK, groups = N / GROUP_ROWS, group_bytes = GROUP_ROWS * nblocks * bb;
+static int interleaved_layout_takes(int fmt, int64_t N, int64_t K, int levels) {
+    return block_bytes(fmt) > 0 && fmt != FMT_F8_F32 && K % QK == 0 && N % GROUP_ROWS == 0 && (levels == 1 || levels == 2);
+}
+
+/* The product's two passes (rounding, then the tiles), each an orphaned `omp for` ending
+   in the team's barrier: inside a parallel region the calling team shares them, outside
+   it the calling thread does both. The shape is one interleaved_layout_takes. */
+static void interleaved_product_shared(int fmt, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M,
+                                       float *y, void *work, int levels, const prologue *pro, int accumulate) {
+    int64_t nblocks = K / QK, groups = N / GROUP_ROWS, group_bytes = GROUP_ROWS * nblocks * block_bytes(fmt);
     int8_t *xq = (int8_t *)work;
     act_block *meta = (act_block *)(xq + M * levels * K);
-    quantize_activations_parallel(x, M, K, levels, xq, meta, pro, (float *)(meta + M * levels * nblocks), threads);
+    quantize_activations_shared(x, M, K, levels, xq, meta, pro, (float *)(meta + M * levels * nblocks));
     M *= levels;  /* from here on, rows of quantized activations */
     int64_t panel = PANEL_BYTES / K / GEMM_ROWS * GEMM_ROWS;
     if (panel < GEMM_ROWS) panel = GEMM_ROWS;
     int64_t panels = (M + panel - 1) / panel;
-    #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
+    #pragma omp for collapse(2) schedule(static)
     for (int64_t g = 0; g < groups; g++) {
         for (int64_t p = 0; p < panels; p++) {
             int64_t end = (p + 1) * panel < M ? (p + 1) * panel : M;
@@ -611,6 +618,13 @@ static int interleaved_product(int fmt, const uint8_t *w, int64_t N, int64_t K, 
             }
         }
     }
+}
+
+static int interleaved_product(int fmt, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M, float *y,
+                               void *work, int levels, int threads, const prologue *pro, int accumulate) {
+    if (!interleaved_layout_takes(fmt, N, K, levels)) return -1;
+    #pragma omp parallel num_threads(threads)
+    interleaved_product_shared(fmt, w, N, K, x, M, y, work, levels, pro, accumulate);
     return 0;
 }
 

@@ -111,7 +111,7 @@ def test_a_quantized_models_layers_run_fused_and_give_the_unfused_tokens(tmp_pat
         assert all(layer.fused is not None for layer in direct.layers) and direct.fused_head is not None
         if not fused:
             direct.layers = [dataclasses.replace(layer, fused=None) for layer in direct.layers]
-            direct.fused_head = None
+            direct.fused_head = direct.decode_layers = None
         ids = [engine.add_request(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
                                                          logprobs=0))
                for prompt in PROMPTS]

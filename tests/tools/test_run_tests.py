@@ -1,0 +1,38 @@
+"""`make test`'s split (tools/run_tests.py): every test file runs in exactly one of the two
+pytest processes, and the files that start Ray or servers are never in the in-process one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tools.run_tests import PROCESS_TESTS, ROOT, parts
+
+
+def _files(paths: list[str]) -> list[Path]:
+    found = []
+    for path in paths:
+        target = ROOT / path
+        found += [target] if target.is_file() else sorted(target.rglob("test_*.py"))
+    return found
+
+
+def test_every_test_file_is_in_exactly_one_part():
+    split = parts()
+    every = sorted(p for p in (ROOT / "tests").rglob("test_*.py")
+                   if "node_modules" not in p.parts and "support" not in p.relative_to(ROOT / "tests").parts)
+    listed = _files(split["processes"]) + _files(split["in-process"])
+    listed = [p for p in listed if "node_modules" not in p.parts]
+    assert sorted(listed) == every  # none twice, none left out
+
+
+def test_what_starts_ray_stays_in_the_process_part():
+    """The Serve fixtures (serve_instance and the apps built on it) and ray.init start a
+    cluster; the fault tests find replicas by process title, so two processes running
+    clusters at once could kill each other's."""
+    markers = ("serve_instance", "tiny_app", "tools_app", "ray.init(")
+    for path in _files(parts()["in-process"]):
+        if path.resolve() == Path(__file__).resolve():
+            continue  # names the markers
+        text = path.read_text()
+        assert not any(marker in text for marker in markers), path
+    assert all((ROOT / path).exists() for path in PROCESS_TESTS)
