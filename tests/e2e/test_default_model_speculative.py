@@ -18,6 +18,7 @@ from workers.engine.kv_sizing import sized_engine_limits
 from workers.engine.llm_engine import LLMEngine
 from workers.model.attention import register_paged_attention
 from workers.model.loader import load_model
+from workers.speculative.proposals import StepCost
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +52,8 @@ def test_greedy_tokens_equal_without_speculation(served):
                        ("draft", draft)):
         engine = _engine(served, spec, first_layers(served[1].model, 28) if name == "draft" else None)
         if name == "draft":
-            engine.proposer.cost = 0.05  # proposing at any rate of acceptance: the test wants refusals too
+            # proposing at any rate of acceptance: the test wants refusals too
+            engine.proposer.draft_share, engine.proposer.step_cost = 0.0, StepCost(0.05, learn=False)
         outputs[name] = []
         for prompt in prompts:  # one at a time: speculation is off from disable_by_batch_size on
             request = engine.add_request(prompt, params)

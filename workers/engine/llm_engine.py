@@ -7,6 +7,7 @@ in unit tests); workers/serving/async_engine.py puts it behind asyncio streams.
 from __future__ import annotations
 
 import itertools
+import time
 
 import torch
 
@@ -298,12 +299,22 @@ class LLMEngine:
         if batch.is_empty:
             return []
         snapshot = self.recovery.snapshot(batch)
+        timed_rows, started = self._priced_rows(batch), time.perf_counter()
         try:
             events = self._execute(batch)
         except Exception as exc:  # noqa: BLE001 - contained to the request(s) of this step
             return self.recovery.contain(snapshot, exc)
+        if timed_rows and self.overlap.in_flight is None:  # (an overlapped step's time is the next call's)
+            self.proposer.step_cost.record(timed_rows, time.perf_counter() - started)
         self.recovery.next_suspect()  # the suspect stepped cleanly
         return events
+
+    def _priced_rows(self, batch: ScheduledBatch) -> int:
+        """The rows of a step of decode and verification rows only, whose time prices a
+        proposed token (speculative.proposals.StepCost); 0 for any other step."""
+        if self.proposer is None or len(batch.drafted) != len(batch.prefills):
+            return 0
+        return batch.num_tokens
 
     def _execute(self, batch: ScheduledBatch) -> list[TokenEvent]:
         if self.overlap.can_start(batch):

@@ -139,11 +139,11 @@ def proposer(limits: EngineLimits, model: torch.nn.Module, draft: torch.nn.Modul
     kv_cache = PagedKVCache(shard_kv_shape(draft, 1), num_blocks, limits.block_size, device)
     runner = model_runner(draft, kv_cache, device, decode_path(device, plain), plain, draft_vocab)
     blocks = BlockManager(num_blocks, limits.block_size, enable_prefix_caching=False)
-    cost = ROW_COST + draft_step_share(draft, model)  # of a proposed token, as a share of a target step
-    if cost >= 1:  # every token passes through the draft once, proposed after or not
+    share = draft_step_share(draft, model)  # a draft step, as a share of a target step
+    if ROW_COST + share >= 1:  # every token passes through the draft once, proposed after or not
         logger.warning("the draft model reads %.0f%% of the model's weight bytes a step: it cannot make decoding "
-                       "faster (a draft pays at a few percent)", 100 * (cost - ROW_COST))
-    return DraftProposer(spec, runner, blocks, cost, limits.max_num_batched_tokens)
+                       "faster (a draft pays at a few percent)", 100 * share)
+    return DraftProposer(spec, runner, blocks, share, limits.max_num_batched_tokens)
 
 
 def draft_step_share(draft: torch.nn.Module, model: torch.nn.Module) -> float:

@@ -87,7 +87,8 @@ static void decoder_layer_shared(const decoder_layers *m, int64_t layer, float *
                                M, x, work, m->levels, &silu_gate, 1);
 }
 
-/* x [M, hidden] float32, one decode row per sequence, through every layer in place.
+/* x [M, hidden] float32, each row a decode row (a span's queries are rows of one sequence,
+   each with its own context length), through every layer in place.
    cos / signed_sin [M, head_dim] (direct_forward.py's rotation), slots [M] each row's
    cache slot, tables [M, width] and lens [M] (its context, itself included) as the
    attention kernel takes them. Scratch: qkv [M, (heads + 2 kv_heads) head_dim], attn

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from workers.model.attention import AttentionMetadata
+from workers.model.kv_cache import PagedKVCache
 from workers.native.build import load_library
 from workers.quant.native_kernels import kernels
 from workers.quant.quantized_layers import QuantizedLinear
@@ -89,19 +89,19 @@ class DecodeLayers:
         self._work_bytes = kernels()._work_bytes  # interleaved_matmul_work_bytes
         self._levels = first.qkv.levels
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """x [M, hidden] float32 (owned: changed in place), every row a decode row on the C
-        attention; False (x untouched) where the call does not take this step."""
-        cache = meta.kv_cache
-        tables, lens = meta.decode_blocks, meta.decode_context_lens
-        if (cache.keys.dtype != torch.float32 or tables is None or lens is None or tables.dtype != torch.int64
-                or lens.dtype != torch.int32 or meta.slot_mapping.dtype != torch.int64):
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, slots: torch.Tensor,
+                 tables: torch.Tensor, lens: torch.Tensor, cache: PagedKVCache) -> bool:
+        """x [M, hidden] float32 (owned: changed in place), each row a decode row of the C
+        attention: its cache slot, block table [M, W] and context length [M] (itself
+        included). False (x untouched) where the call does not take this step."""
+        if (cache.keys.dtype != torch.float32 or tables.dtype != torch.int64 or lens.dtype != torch.int32
+                or slots.dtype != torch.int64):
             return False
         rows = x.shape[0]
         struct = self._struct
         struct.keys, struct.values = cache.keys.data_ptr(), cache.values.data_ptr()
         struct.num_slots, struct.block_size = cache.keys.shape[1], cache.block_size
-        tables, lens, slots = tables.contiguous(), lens.contiguous(), meta.slot_mapping.contiguous()
+        tables, lens, slots = tables.contiguous(), lens.contiguous(), slots.contiguous()
         qkv = torch.empty(rows, self.qkv_width, dtype=torch.float32)
         attn = torch.empty(rows, self.attn_width, dtype=torch.float32)
         gate_up = torch.empty(rows, 2 * self.intermediate, dtype=torch.float32)

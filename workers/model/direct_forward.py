@@ -13,7 +13,7 @@ cache write are one C pass giving the same bits (cpu_attention.c). A layer whose
 are 8-bit QuantizedLinears goes further (`_FusedNorms`): its norms, SiLU gate and residual
 adds run inside those products, within the activations' rounding of the separate operators
 (tests/unit/model/test_fused_products.py). When every layer is fused, a step of decode rows
-on the CPU runs all of them in one C call (cpu_decoder.py: the same operations, one OpenMP
+(and short spans the C attention takes as such) on the CPU runs all of them in one C call (cpu_decoder.py: the same operations, one OpenMP
 region instead of six calls from Python a layer).
 
 It runs only what it was written for: Llama, Mistral, Qwen2 and Qwen3 models (Qwen3's
@@ -260,9 +260,10 @@ class DirectForward:
         # the sign moves onto the sine once a step: -(a * b) == a * -b exactly in floats.
         half = sin.shape[-1] // 2
         signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-        if self._all_decodes_in_one_call(x, meta):
+        rows = self._one_call_rows(x, meta)
+        if rows is not None:
             x = x.clone()  # changed in place
-            if self.decode_layers(x, cos, signed_sin, meta):
+            if self.decode_layers(x, cos, signed_sin, meta.slot_mapping, *rows, meta.kv_cache):
                 return x
         owned = False  # the fused layers add into x in place: once on a copy of their own
         for layer in self.layers:
@@ -276,9 +277,38 @@ class DirectForward:
             owned = True
         return x
 
-    def _all_decodes_in_one_call(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
-        return (self.decode_layers is not None and meta.cpu_decode and not meta.prefills
-                and meta.num_decode_tokens == x.shape[0] and x.dtype == torch.float32 and x.device.type == "cpu")
+    def _one_call_rows(self, x: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every row of the step as a decode row of the C attention ([T, W] block tables,
+        [T] context lengths) where the one call takes the step: decode rows, and spans the
+        per-layer path would also give the kernel as decode rows (a speculative
+        verification, a short chunk after cached context); else None."""
+        if (self.decode_layers is None or not meta.cpu_decode or x.dtype != torch.float32
+                or x.device.type != "cpu"):
+            return None
+        tables, lens, position = [], [], meta.num_decode_tokens
+        if position:
+            if meta.decode_blocks is None or meta.decode_context_lens is None:
+                return None
+            tables.append(meta.decode_blocks)
+            lens.append(meta.decode_context_lens)
+        for span in meta.prefills:
+            if (span.start != position or span.context_slots is None
+                    or span.end - span.start > meta.kernel_span):
+                return None
+            span_tables, span_lens = span.as_decode_rows(meta.kv_cache.block_size)
+            tables.append(span_tables)
+            lens.append(span_lens)
+            position = span.end
+        if position != x.shape[0] or not tables:
+            return None
+        if len(tables) == 1:
+            return tables[0], lens[0]
+        table = torch.zeros(position, max(t.shape[1] for t in tables), dtype=torch.int64)  # past a row's length: unread
+        first = 0
+        for part in tables:
+            table[first:first + part.shape[0], :part.shape[1]] = part
+            first += part.shape[0]
+        return table, torch.cat(lens)
 
     def head(self, x: torch.Tensor, logits_to_keep: torch.Tensor) -> torch.Tensor | None:
         """The logits [1, K, vocab] of the kept rows (None on a tensor shard that is not the driver)."""

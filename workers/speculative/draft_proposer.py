@@ -24,6 +24,7 @@ from workers.core.sequence import Sequence
 from workers.speculative.proposals import (
     ProposalPace,
     SpeculationCounts,
+    StepCost,
     can_speculate,
     output_room,
 )
@@ -60,23 +61,25 @@ class _Shadow:
 
 
 class DraftProposer:
-    def __init__(self, limits: SpeculativeLimits, model: DraftModel, blocks: DraftBlocks, cost: float,
+    def __init__(self, limits: SpeculativeLimits, model: DraftModel, blocks: DraftBlocks, draft_share: float,
                  chunk_tokens: int) -> None:
-        """`cost`: a proposed token's cost as a share of a target step (the target's row and
-        one draft step: engine/model_setup.py estimates it); `chunk_tokens`: the most tokens one
-        shadow catches up in one draft forward (a long prompt takes several steps, without
-        proposals until it is in)."""
+        """`draft_share`: a draft step's cost as a share of a target step (engine/model_setup.py
+        estimates it), added to the target's measured cost of a row to price a proposed token;
+        `chunk_tokens`: the most tokens one shadow catches up in one draft forward (a long
+        prompt takes several steps, without proposals until it is in)."""
         self.limits = limits
         self.model = model
         self.blocks = blocks
-        self.cost = cost
+        self.draft_share = draft_share
         self.chunk_tokens = chunk_tokens
         self.counts = SpeculationCounts()
+        self.step_cost = StepCost()
         self._shadows: dict[int, _Shadow] = {}  # by the target's seq_id
 
     def prepare(self, running: list[Sequence]) -> None:
         """Draft this step's proposals for the running sequences that may take some."""
         self._drop_all_but(running)
+        cost = self.step_cost.share(len(running)) + self.draft_share
         drafted: list[_Shadow] = []
         for seq in running:
             shadow = self._shadows.get(seq.seq_id)
@@ -85,8 +88,8 @@ class DraftProposer:
             if seq.num_uncomputed_tokens != 1 or not can_speculate(seq) or seq.image_features is not None:
                 continue  # the draft sees no images: a vision request's proposals would be noise
             if shadow is None:
-                shadow = self._shadows[seq.seq_id] = _Shadow(self._copy(seq), ProposalPace(self.limits.num_tokens,
-                                                                                            self.cost))
+                shadow = self._shadows[seq.seq_id] = _Shadow(self._copy(seq), ProposalPace(self.limits.num_tokens))
+            shadow.pace.cost = cost
             shadow.wanted = shadow.pace.next_length(output_room(seq))
             if shadow.wanted:
                 _sync(shadow, seq)

@@ -13,7 +13,13 @@ from dataclasses import dataclass, field
 
 from workers.core.limits import SpeculativeLimits
 from workers.core.sequence import Sequence
-from workers.speculative.proposals import ProposalPace, SpeculationCounts, can_speculate
+from workers.speculative.proposals import (
+    ROW_COST,
+    ProposalPace,
+    SpeculationCounts,
+    StepCost,
+    can_speculate,
+)
 
 
 class NgramIndex:
@@ -69,10 +75,13 @@ class _Lookup:
 class NgramProposer:
     limits: SpeculativeLimits
     counts: SpeculationCounts = field(default_factory=SpeculationCounts)
+    step_cost: StepCost = field(default_factory=StepCost)
     _lookups: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    _row_cost: float = field(default=ROW_COST, init=False)  # set by prepare each step
 
     def prepare(self, running: list[Sequence]) -> None:
-        """Nothing to do ahead of the step: each lookup is made when the scheduler asks."""
+        """This step's cost of a proposed token; each lookup is made when the scheduler asks."""
+        self._row_cost = self.step_cost.share(len(running))
 
     def propose(self, seq: Sequence, room: int) -> tuple[int, ...]:
         """At most `room` proposed tokens to follow `seq`'s last one (empty: decode plainly)."""
@@ -82,6 +91,7 @@ class NgramProposer:
         if lookup is None:
             lookup = self._lookups[seq] = _Lookup(NgramIndex(self.limits.lookup_min, self.limits.lookup_max),
                                                   ProposalPace(self.limits.num_tokens))
+        lookup.pace.cost = self._row_cost
         count = lookup.pace.next_length(room)
         return tuple(lookup.index.lookup(seq.token_ids, count)) if count else ()
 

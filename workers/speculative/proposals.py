@@ -12,10 +12,13 @@ from workers.core.sequence import Sequence
 
 MAX_PAUSE_STEPS = 32  # the longest a sequence goes without proposals after repeated rejections
 
-# A proposed token costs the target model about this share of a one-token step (the default
-# model on a 2-core AVX2 CPU: a step of 1 / 2 / 3 / 5 fed tokens took 22.5 / 27.1 / 31.4 /
-# 37.1 ms), and an accepted one saves a whole step: the j-th proposal pays while the chance
-# that all j are taken, about rate ** j, is above its cost.
+# A proposed token costs the target model a share of a step (the row it adds), and an
+# accepted one saves its sequence a step: the j-th proposal pays while the chance that all
+# j are taken, about rate ** j, is above that share. The share is measured on the engine's
+# own steps (StepCost): it differs by machine and path, e.g. the default model on a 2-core
+# AVX2 EPYC, 0.2 of a step with a Python call per operation (fixed costs dominate) and 0.75
+# in one C call a step (the products' integer work dominates). ROW_COST is the share before
+# any measurement.
 ROW_COST = 0.2
 DECAY = 0.7  # the weight of a sequence's earlier verifications in its acceptance rate
 PRIOR = (2.0, 2.5)  # (taken, tried) before any verification: a rate of 0.8, so proposals start long
@@ -40,6 +43,7 @@ class Proposer(Protocol):
 
     limits: SpeculativeLimits
     counts: SpeculationCounts
+    step_cost: StepCost  # the engine records its decode and verification steps here
 
     def prepare(self, running: list[Sequence]) -> None:
         """Called once a step that proposes, before any `propose`, with the running sequences."""
@@ -49,6 +53,52 @@ class Proposer(Protocol):
 
     def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """A verification's outcome: `accepted` of the `proposed` tokens were the model's own."""
+
+
+FIT_DECAY = 0.97  # the weight of a step timing after each newer one (~30 steps' memory)
+MIN_ROW_SPREAD = 0.05  # the variance of rows a step that a line's slope needs
+SHARE_RANGE = (0.02, 2.0)
+
+
+class StepCost:
+    """What one more row costs a step of decode and verification rows, as a share of the
+    step's time per running sequence: a line through the engine's recent (rows, seconds),
+    each step weighted FIT_DECAY times less than the next. A step with B sequences costs
+    a + b (B + proposals); an accepted proposal saves its sequence (a + b B) / B, so a
+    proposal pays while its chance beats b B / (a + b B). Until the rows have varied
+    enough to fit a line, the share is `prior` (always, with `learn` off: a fixed price, for
+    tests that want proposals at any rate of acceptance)."""
+
+    def __init__(self, prior: float = ROW_COST, learn: bool = True):
+        self.prior, self.learn = prior, learn
+        self._sums = [0.0] * 5  # weight, rows, seconds, rows^2, rows * seconds
+        self._fit: tuple[float, float] | None = None  # seconds a step, a row
+
+    def record(self, rows: int, seconds: float) -> None:
+        if not self.learn:
+            return
+        w, n, t, nn, nt = (FIT_DECAY * v for v in self._sums)
+        w, n, t, nn, nt = w + 1, n + rows, t + seconds, nn + rows * rows, nt + rows * seconds
+        self._sums = [w, n, t, nn, nt]
+        spread = w * nn - n * n
+        if spread > MIN_ROW_SPREAD * w * w:
+            slope = max((w * nt - n * t) / spread, 0.0)
+            self._fit = (max((t - slope * n) / w, 0.0), slope)
+
+    @property
+    def fitted(self) -> bool:
+        """Whether the share is measured (else the prior)."""
+        return self._fit is not None
+
+    def share(self, sequences: int) -> float:
+        """A row's cost as a share of a step's time per sequence, with `sequences` running."""
+        if self._fit is None or sequences <= 0:
+            return self.prior
+        fixed, per_row = self._fit
+        per_sequence = (fixed + per_row * sequences) / sequences
+        if per_sequence <= 0:
+            return self.prior
+        return min(max(per_row / per_sequence, SHARE_RANGE[0]), SHARE_RANGE[1])
 
 
 def batch_allows(limits: SpeculativeLimits, running: int) -> bool:

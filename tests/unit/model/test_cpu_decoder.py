@@ -10,6 +10,7 @@ import torch
 from tests.support.engines import make_engine, run_to_completion
 from tests.unit.model.test_quantized_weights import PROMPTS, Q, _twin_pair
 from workers.contract.sampling_params import SamplingParams
+from workers.core.limits import SpeculativeLimits
 from workers.model.gguf_packing import keep_gguf_weights_packed
 
 
@@ -34,8 +35,8 @@ class _Counted:
         return done
 
 
-def _run(model, one_call: bool, bias: bool = False, n: int = 1):
-    engine = make_engine(model)
+def _run(model, one_call: bool, bias: bool = False, n: int = 1, **limits):
+    engine = make_engine(model, **limits)
     direct = engine.runner.direct
     if bias:  # a Qwen2-like q/k/v bias, added after the product
         for i, layer in enumerate(direct.layers):
@@ -54,11 +55,20 @@ def _run(model, one_call: bool, bias: bool = False, n: int = 1):
 
 @pytest.mark.parametrize("bias", [False, True], ids=["plain", "qkv-bias"])
 def test_one_call_gives_the_per_layer_bits(packed_model, bias):
-    """16 prompts (decode steps of 1 to 16 rows, beside prefill steps, which it declines):
+    """16 prompts (decode steps of 1 to 16 rows, beside prompt steps, which it declines):
     every token and logprob equal to the per-layer fused path's."""
     (got, counted), (want, _) = _run(packed_model, True, bias), _run(packed_model, False, bias)
     assert got == want
     assert counted.taken >= 9  # every decode-only step
+
+
+def test_speculative_verifications_run_in_the_call_with_the_same_bits(packed_model):
+    """ngram proposals: each verification is a short span with context, given to the C
+    attention as decode rows (several rows of one sequence), beside plain decode rows."""
+    speculative = SpeculativeLimits(num_tokens=3, lookup_min=1, lookup_max=3, disable_by_batch_size=None)
+    (got, counted), (want, _) = (_run(packed_model, one_call, speculative=speculative) for one_call in (True, False))
+    assert got == want
+    assert counted.taken >= 9
 
 
 def test_seeded_samples_with_n_are_the_same(packed_model):
@@ -73,13 +83,11 @@ def test_a_slot_outside_the_cache_declines_and_leaves_x(packed_model):
     direct = engine.runner.direct
     decoder, seen = direct.decode_layers, []
 
-    def spy(x, cos, signed_sin, meta):
-        good, before = meta.slot_mapping, x.clone()
-        meta.slot_mapping = good.clone()
-        meta.slot_mapping[0] = meta.kv_cache.keys.shape[1]  # one past the last slot
-        seen.append((decoder(x, cos, signed_sin, meta), torch.equal(x, before)))
-        meta.slot_mapping = good
-        return decoder(x, cos, signed_sin, meta)
+    def spy(x, cos, signed_sin, slots, tables, lens, cache):
+        bad, before = slots.clone(), x.clone()
+        bad[0] = cache.keys.shape[1]  # one past the last slot
+        seen.append((decoder(x, cos, signed_sin, bad, tables, lens, cache), torch.equal(x, before)))
+        return decoder(x, cos, signed_sin, slots, tables, lens, cache)
 
     direct.decode_layers = spy
     request = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=4, temperature=0.0))

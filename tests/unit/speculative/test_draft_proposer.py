@@ -26,7 +26,7 @@ from workers.core.sequence import FinishReason
 from workers.engine.model_setup import draft_step_share, proposer
 from workers.serving.engine_build import build_engine, same_tokenizer
 from workers.speculative.draft_proposer import DraftProposer
-from workers.speculative.proposals import ROW_COST
+from workers.speculative.proposals import ROW_COST, StepCost
 
 DRAFT = SpeculativeLimits(num_tokens=4, lookup_min=1, lookup_max=3, disable_by_batch_size=None, method="draft")
 
@@ -56,9 +56,14 @@ def _engine(model, draft=None, num_blocks=1200, **limits):
     engine = make_engine(model, num_blocks=num_blocks, draft_model=draft,
                          speculative=DRAFT if draft is not None else None, **limits)
     if draft is not None:
-        # The drafts here are as large as their target: price their steps as free, so that they propose.
-        engine.proposer.cost = ROW_COST
+        _price_as_free(engine.proposer)
     return engine
+
+
+def _price_as_free(proposer: DraftProposer) -> None:
+    """The drafts here are as large as their target: their steps priced as free and a row at
+    the fixed prior (not the machine's measured cost), so that they propose."""
+    proposer.draft_share, proposer.step_cost = 0.0, StepCost(ROW_COST, learn=False)
 
 
 def _outputs(model, prompts, params, draft=None, **limits):
@@ -132,7 +137,7 @@ def test_the_draft_is_priced_by_its_weights_and_must_fit_the_vocabulary(paged_mo
     assert draft_step_share(half, paged_model) < 0.9
     limits = EngineLimits(speculative=DRAFT)
     built = proposer(limits, paged_model, half, 16, torch.device("cpu"))
-    assert isinstance(built, DraftProposer) and built.cost == pytest.approx(ROW_COST + draft_step_share(half, paged_model))
+    assert isinstance(built, DraftProposer) and built.draft_share == pytest.approx(draft_step_share(half, paged_model))
     wider = copy.deepcopy(paged_model)
     wider.resize_token_embeddings(paged_model.config.vocab_size + 8)
     with pytest.raises(ValueError, match="vocabulary"):
@@ -156,8 +161,8 @@ def test_a_worker_config_loads_the_draft_beside_its_model(tiny_model_dir, tiny_t
     built = build_engine(config)
     engine = built.engine
     assert isinstance(engine.proposer, DraftProposer)
-    assert engine.proposer.cost == pytest.approx(ROW_COST + 1.0)  # the draft is the model itself here
-    engine.proposer.cost = ROW_COST
+    assert engine.proposer.draft_share == pytest.approx(1.0)  # the draft is the model itself here
+    _price_as_free(engine.proposer)
     params = greedy(16)
     prompt = tiny_tokenizer.encode("the cat sat on the mat")
     request = engine.add_request(prompt, params)
