@@ -106,23 +106,41 @@ def test_random_adapters_are_read_back_as_peft_adapters(tiny_model, tmp_path):
     assert adapter.rank == 3 and len(adapter.modules) == 7 * tiny_model.config.num_hidden_layers
 
 
-def test_fused_mode_times_unfused_c_rotation_and_fused_layers(tmp_path, capsys):
-    """On a tiny GGUF Llama with 8-bit activations (every layer fusable): three variants a line."""
+def test_fused_mode_times_unfused_c_rotation_fused_and_one_call_layers(tmp_path, capsys, monkeypatch):
+    """On a tiny GGUF Llama with 8-bit activations (every layer fusable): four variants a
+    line, only the last running the layers in cpu_decoder.c's one call."""
     import argparse
     import types
 
     from tests.unit.model.test_quantized_weights import _twin_pair
     from workers.model.attention import register_paged_attention
+    from workers.model.cpu_decoder import DecodeLayers
     from workers.model.gguf_packing import keep_gguf_weights_packed
 
     _, model = _twin_pair(tmp_path / "m.gguf", gguf.GGMLQuantizationType.Q4_1)
     keep_gguf_weights_packed(model, tmp_path / "m.gguf", activations="int8x2")
     model.set_attn_implementation(register_paged_attention())
+    calls, timed = [0], []
+    one_call, timing = DecodeLayers.__call__, bench_engine.engine_decode_ms
+
+    def counted(self, *args):
+        calls[0] += 1
+        return one_call(self, *args)
+
+    def recorded(*args, **options):
+        before = calls[0]
+        result = timing(*args, **options)
+        timed.append((options["fused"], options["one_call"], calls[0] > before))
+        return result
+
+    monkeypatch.setattr(DecodeLayers, "__call__", counted)
+    monkeypatch.setattr(bench_engine, "engine_decode_ms", recorded)
     loaded = types.SimpleNamespace(model=model, tokenizer=lambda text: {"input_ids": [3, 14, 15, 9, 26]})
     bench_engine.run_fused(argparse.Namespace(batch=[3], steps=2, repeat=1), loaded)  # each run a fresh engine
+    assert timed == [(False, False, False), (False, False, False), (True, False, False), (True, True, True)]
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("batch=")]
     assert len(lines) == 1
     for line in lines:
-        sides = re.findall(r"(unfused|c_rotation|fused)\s+([\d.]+) ms/step", line)
-        assert [name for name, _ in sides] == ["unfused", "c_rotation", "fused"]
+        sides = re.findall(r"(unfused|c_rotation|fused|one_call)\s+([\d.]+) ms/step", line)
+        assert [name for name, _ in sides] == ["unfused", "c_rotation", "fused", "one_call"]
         assert all(float(ms) > 0 for _, ms in sides)

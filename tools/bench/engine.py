@@ -119,16 +119,20 @@ def raw_decode_ms(model, prompt_ids: list[int], batch: int, steps: int) -> float
 
 
 def engine_decode_ms(model, prompt_ids: list[int], batch: int, steps: int, tokenizer=None,
-                     cpu_decode: bool | None = None, fused: bool = True, **limits) -> tuple[float, float]:
+                     cpu_decode: bool | None = None, fused: bool = True, one_call: bool = True,
+                     **limits) -> tuple[float, float]:
     """(ms per decode step, ms of it spent on the grammar mask); guided when `tokenizer` is
     given; `cpu_decode`: decode attention by the C kernel or not (None: the engine's
-    choice); `fused`: False runs a quantized model's layers unfused; `limits`: EngineLimits
-    fields."""
+    choice); `fused`: False runs a quantized model's layers unfused; `one_call`: False runs
+    fused layers one call per operation (not all in cpu_decoder.c's one call); `limits`:
+    EngineLimits fields."""
     engine = new_engine(model, tokenizer, **limits)
     if cpu_decode is not None:
         engine.runner.cpu_decode = cpu_decode
-    if not fused and engine.runner.direct is not None:
-        direct = engine.runner.direct
+    direct = engine.runner.direct
+    if direct is not None and not (fused and one_call):
+        direct.decode_layers = None
+    if not fused and direct is not None:
         direct.layers = [dataclasses.replace(layer, fused=None) for layer in direct.layers]
         direct.fused_head = None
     guided = GuidedDecoding("json_schema", json.dumps(BENCH_SCHEMA)) if tokenizer is not None else None
@@ -242,8 +246,8 @@ def run_attention(args, loaded) -> None:
 
 def run_fused(args, loaded) -> None:
     """A quantized model's decode step: layers unfused with torch's rotation and cache write,
-    then with the C rotation and cache write, then fused too (direct_forward.py), alternating
-    in one process."""
+    then with the C rotation and cache write, then fused too (direct_forward.py), then all
+    fused layers in one C call (cpu_decoder.c), alternating in one process."""
     kernel = cpu_decode_attention()
     if kernel is None:
         raise SystemExit("no C compiler: the C rotation and the fused products need one")
@@ -252,17 +256,19 @@ def run_fused(args, loaded) -> None:
     def torch_rotation(*args) -> bool:
         return False  # the direct forward then rotates with torch's operators and index_copy_
 
-    def variant(use_c_rotation: bool, fused: bool) -> Callable[[int], float]:
+    def variant(use_c_rotation: bool, fused: bool, one_call: bool = False) -> Callable[[int], float]:
         def run(batch: int) -> float:
             kernel.rotate_and_cache = rotate if use_c_rotation else torch_rotation
             try:
-                return engine_decode_ms(loaded.model, prompt_ids, batch, args.steps, fused=fused)[0]
+                return engine_decode_ms(loaded.model, prompt_ids, batch, args.steps, fused=fused,
+                                        one_call=one_call)[0]
             finally:
                 kernel.rotate_and_cache = rotate
         return run
 
     prompt_ids = loaded.tokenizer(PROMPT)["input_ids"]
-    variants = {"unfused": variant(False, False), "c_rotation": variant(True, False), "fused": variant(True, True)}
+    variants = {"unfused": variant(False, False), "c_rotation": variant(True, False), "fused": variant(True, True),
+                "one_call": variant(True, True, one_call=True)}
     for batch in args.batch:
         runs: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(args.repeat):
@@ -638,7 +644,7 @@ def main(argv: list[str] | None = None) -> None:
     direct.add_argument("--steps", type=int, default=10)
     direct.add_argument("--repeat", type=int, default=5)
     fused = sub.add_parser("fused", help="a quantized model's decode step: unfused layers, the C rotation, fused "
-                           "layers, alternating")
+                           "layers, all in one call, alternating")
     fused.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
     fused.add_argument("--steps", type=int, default=20)
     fused.add_argument("--repeat", type=int, default=5)
