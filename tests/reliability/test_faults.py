@@ -47,7 +47,7 @@ def fault_app(serve_instance, tiny_model_dir):
     url = serve_instance.url("/fault")
     wait_ready(url)
     yield url
-    delete_app("fault")
+    delete_app("fault")  # (already gone when the graceful-shutdown test ran)
 
 
 def wait_for_replicas(app: str, deployment: str, replicas: int, timeout_s: float = 120) -> None:
@@ -85,17 +85,15 @@ def test_a_stream_outlives_its_killed_worker_replica(fault_app):
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
 
 
-def test_graceful_shutdown_lets_a_running_stream_finish(serve_instance, tiny_model_dir):
+def test_graceful_shutdown_lets_a_running_stream_finish(fault_app):
+    """The fault app's last test (an app deploy fewer): the app is deleted while a stream runs."""
     import threading
 
-    serve.run(build_app(tiny_app_args(tiny_model_dir)), name="drain", route_prefix="/drain", blocking=False)
-    url = serve_instance.url("/drain")
-    wait_ready(url)
     body = {**BODY, "max_tokens": 240, "stream": True}
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as resp:
+    with httpx.stream("POST", fault_app + "/v1/chat/completions", json=body, timeout=60) as resp:
         lines = resp.iter_lines()
         assert next(lines).startswith("data: ")
-        deleter = threading.Thread(target=serve.delete, args=("drain",))
+        deleter = threading.Thread(target=serve.delete, args=("fault",))
         deleter.start()  # shutdown begins while the stream runs
         rest = [line for line in lines if line]
     deleter.join(timeout=60)
@@ -239,7 +237,8 @@ def test_a_killed_ingress_replica_cuts_only_its_own_streams(two_replica_app):
 
 def test_scale_down_and_a_redeploy_under_load_affect_no_request(two_replica_app, wide_model_dir):
     """2 -> 1 worker replicas, then a redeploy that replaces the worker (a changed engine
-    option), each while 8 streams run: the leaving replica hands its requests over at once."""
+    option), each while 8 streams run: the leaving replica hands its requests over at once.
+    The last test of the two-replica app (the module's order)."""
     worker = worker_deployment_name(TINY_MODEL_ID)
     bodies = [{**BODY, "messages": [{"role": "user", "content": f"Story {i}"}], "max_tokens": 200,
                "temperature": 0, "stream": True} for i in range(8)]
@@ -258,9 +257,7 @@ def test_scale_down_and_a_redeploy_under_load_affect_no_request(two_replica_app,
         assert all(not o["errors"] and o["finish"] == {0: "length"} for o in outputs), \
             [o["errors"] for o in outputs if o["errors"]]
         wait_for_replicas("faults2", worker, changes["workers"])
-    serve.run(build_app(fault_app_args(tiny_app_args(wide_model_dir, **TWO_REPLICA_ENGINE), 2, 2)), name="faults2",
-              route_prefix="/faults2", blocking=False)
-    wait_for_replicas("faults2", worker, 2)
+    # The two-replica app's last test: it is left at one worker replica (no redeploy back).
 
 
 async def _after(delay_s: float, job):

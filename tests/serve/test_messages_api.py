@@ -14,13 +14,9 @@ import pytest
 
 from tests.support.serve_fixtures import (
     TINY_MODEL_ID,
-    delete_app,
-    tiny_app_args,
-    wait_ready,
 )
-from tests.support.tiny_models import write_tiny_model_dir
+from tests.support.tools_app import TOOLS_MODEL
 
-TOOLS_MODEL = "tiny-messages-tools"
 SHIP = {"name": "ship", "description": "Ship an order.",
         "input_schema": {"type": "object", "properties": {"speed": {"enum": ["slow", "fast"]}},
                          "required": ["speed"], "additionalProperties": False}}
@@ -151,23 +147,6 @@ def test_count_tokens_errors_have_anthropics_shape(tiny_app):
 
 
 # ------------------------------------------------------------------------- with tools
-
-@pytest.fixture(scope="module")
-def tools_app(serve_instance, tmp_path_factory):
-    """A tiny random model with a window for chatserve's tool section (hermes calls)."""
-    from ray import serve
-
-    from serve_app.app import build_app
-
-    model_dir = write_tiny_model_dir(tmp_path_factory.mktemp("messages_tools"), max_position_embeddings=2048)
-    args = tiny_app_args(model_dir, max_model_len=2048, kv_cache_memory_gib=0.01)
-    args["models"][0]["id"] = TOOLS_MODEL
-    serve.run(build_app(args), name="messages-tools", route_prefix="/messages-tools", blocking=False)
-    url = serve_instance.url("/messages-tools")
-    wait_ready(url, timeout=180)
-    yield url
-    delete_app("messages-tools")
-
 
 def test_a_two_turn_tool_loop(tools_app):
     client = client_for(tools_app)

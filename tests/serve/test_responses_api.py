@@ -16,13 +16,9 @@ from pydantic import BaseModel
 
 from tests.support.serve_fixtures import (
     TINY_MODEL_ID,
-    delete_app,
-    tiny_app_args,
-    wait_ready,
 )
-from tests.support.tiny_models import write_tiny_model_dir
+from tests.support.tools_app import TOOLS_MODEL
 
-TOOLS_MODEL = "tiny-tools"
 SHIP = {"type": "function", "name": "ship", "description": "Ship an order.", "strict": True,
         "parameters": {"type": "object", "properties": {"speed": {"enum": ["slow", "fast"]}},
                        "required": ["speed"], "additionalProperties": False}}
@@ -114,23 +110,6 @@ def test_errors_name_the_field(tiny_app, body, status, param):
 
 
 # ------------------------------------------------------------------------- with tools
-
-@pytest.fixture(scope="module")
-def tools_app(serve_instance, tmp_path_factory):
-    """A tiny random model with a window for chatserve's tool section (hermes calls)."""
-    from ray import serve
-
-    from serve_app.app import build_app
-
-    model_dir = write_tiny_model_dir(tmp_path_factory.mktemp("responses_tools"), max_position_embeddings=2048)
-    args = tiny_app_args(model_dir, max_model_len=2048, kv_cache_memory_gib=0.01)
-    args["models"][0]["id"] = TOOLS_MODEL
-    serve.run(build_app(args), name="responses-tools", route_prefix="/responses-tools", blocking=False)
-    url = serve_instance.url("/responses-tools")
-    wait_ready(url, timeout=180)
-    yield url
-    delete_app("responses-tools")
-
 
 def test_required_tool_choice_gives_a_function_call_and_its_output_continues(tools_app):
     client = client_for(tools_app)
