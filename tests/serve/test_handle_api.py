@@ -75,3 +75,21 @@ def test_errors_arrive_as_api_errors(caller):
     assert caller.ask_bad.remote({**REQUEST, "temperature": 7}).result() == (400, "temperature")
     assert caller.ask_bad.remote({**REQUEST, "model": "nope"}).result() == (404, "model")
     assert caller.ask_bad.remote({**REQUEST, "max_tokens": 10_000}).result() == (400, "max_tokens")
+
+
+def test_handle_calls_are_counted_in_the_ingress_metrics(caller, tiny_app):
+    """Route `handle:chat` in /metrics, by status: calls that answered and one refused."""
+    import re
+
+    import httpx
+
+    def counted(status: str) -> float:
+        text = httpx.get(tiny_app + "/metrics", timeout=30).text
+        pattern = rf'chatserve_requests_total\{{[^}}]*route="handle:chat"[^}}]*status="{status}"[^}}]*\}} ([\d.]+)'
+        return sum(float(value) for value in re.findall(pattern, text))
+
+    before_ok, before_bad = counted("200"), counted("400")
+    caller.ask.remote(REQUEST).result()
+    caller.ask_stream.remote({**REQUEST, "stream": True}).result()
+    assert caller.ask_bad.remote({**REQUEST, "temperature": 7}).result() == (400, "temperature")
+    assert counted("200") - before_ok == 2 and counted("400") - before_bad == 1

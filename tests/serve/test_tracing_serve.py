@@ -118,3 +118,29 @@ def test_an_embeddings_request_is_traced_on_both_sides(traced_app):
     assert attributes["gen_ai.request.model"].string_value == TINY_MODEL_ID
     assert attributes["gen_ai.usage.input_tokens"].int_value == reply.json()["usage"]["prompt_tokens"] > 0
     assert attributes["http.response.status_code"].int_value == 200
+
+
+def test_a_handle_call_is_traced_under_the_callers_traceparent(traced_app):
+    """The handle API from this driver (no HTTP): `trace_headers` carries the caller's
+    `traceparent`; the ingress's spans (`CALL handle:chat`) and the worker's join its trace."""
+    from ray import serve
+
+    trace_id, span_id = 0x2A2B2C2D2E2F30313233343536373839, 0x1122334455667788
+    handle = serve.get_app_handle(APP)
+    body = {"model": TINY_MODEL_ID, "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}],
+            "ignore_eos": True}
+    reply = handle.chat.remote(body, trace_headers={"traceparent": f"00-{trace_id:032x}-{span_id:016x}-01"}).result()
+    wanted = {"CALL handle:chat", "chatserve.parse", "chatserve.stream", "chatserve.worker", "chatserve.admit",
+              "chatserve.queue", "chatserve.prefill", "chatserve.decode"}
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        ours = {span.name: span for _, span in Collector.spans if int.from_bytes(span.trace_id, "big") == trace_id}
+        if wanted <= set(ours):
+            break
+        time.sleep(0.5)
+    assert set(ours) == wanted
+    server, worker = ours["CALL handle:chat"], ours["chatserve.worker"]
+    assert int.from_bytes(server.parent_span_id, "big") == span_id and worker.parent_span_id == server.span_id
+    attributes = {a.key: a.value for a in server.attributes}
+    assert attributes["gen_ai.usage.output_tokens"].int_value == reply.usage.completion_tokens == 3
+    assert attributes["gen_ai.response.id"].string_value == reply.id
