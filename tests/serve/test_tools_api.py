@@ -139,3 +139,19 @@ def test_reasoning_streams_as_reasoning_content(tools_app):
     reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in pieces)
     assert reasoning == whole.choices[0].message.reasoning_content
     assert "".join(d.content or "" for d in pieces) == whole.choices[0].message.content
+
+
+def test_a_thinking_budget_closes_the_reasoning_through_serve(tools_app):
+    """thinking_token_budget through the whole path (ingress translation, the worker's tag
+    ids, the engine's forced end tag, the reasoning parser): the greedy reasoning stops
+    after the budget, where the unbudgeted answer goes on thinking, and the rest is content."""
+    body = {"model": THINKER, "messages": USER, "temperature": 0, "max_tokens": 16, "ignore_eos": True}
+    free = httpx.post(tools_app + "/v1/chat/completions", timeout=120, json=body).json()
+    capped = httpx.post(tools_app + "/v1/chat/completions", timeout=120,
+                        json={**body, "thinking_token_budget": 3}).json()
+    free_message, capped_message = free["choices"][0]["message"], capped["choices"][0]["message"]
+    assert free_message["content"] == "" and free["usage"]["completion_tokens_details"]["reasoning_tokens"] == 16
+    assert capped_message["reasoning_content"] and capped_message["content"]
+    assert free_message["reasoning_content"].startswith(capped_message["reasoning_content"].rstrip())
+    assert 3 <= capped["usage"]["completion_tokens_details"]["reasoning_tokens"] < 16
+    assert capped["usage"]["completion_tokens"] == 16
