@@ -67,7 +67,8 @@ def test_worker_scales_up_under_load_and_back_down(autoscaled_app):
     for t in threads:
         t.start()
     try:
-        scaled_up = wait_for(lambda: running_replicas() == 2, timeout=60)
+        # (a replica starts in ~10 s alone; beside the in-process half of `make test`, several times that)
+        scaled_up = wait_for(lambda: running_replicas() == 2, timeout=150)
     finally:
         stop.set()
         for t in threads:
