@@ -63,6 +63,19 @@ def traced_app(serve_instance, tiny_model_dir, collector):
     delete_app(APP)
 
 
+def spans_of(trace_id: int, wanted: set[str]) -> dict:
+    """The collected spans of a trace by name, once all of `wanted` are in (each process
+    exports its batch within 5 s); exactly `wanted`."""
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        ours = {span.name: span for _, span in Collector.spans if int.from_bytes(span.trace_id, "big") == trace_id}
+        if wanted <= set(ours):
+            break
+        time.sleep(0.5)
+    assert set(ours) == wanted
+    return ours
+
+
 def test_ingress_and_worker_spans_reach_the_collector_in_the_clients_trace(traced_app):
     body = {"model": TINY_MODEL_ID, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}],
             "ignore_eos": True}
@@ -71,14 +84,7 @@ def test_ingress_and_worker_spans_reach_the_collector_in_the_clients_trace(trace
     assert reply.status_code == 200
     wanted = {"POST /v1/chat/completions", "chatserve.parse", "chatserve.stream", "chatserve.worker",
               "chatserve.admit", "chatserve.queue", "chatserve.prefill", "chatserve.decode"}
-    deadline = time.time() + 30  # each process exports its batch within 5 s
-    while time.time() < deadline:
-        ours = {span.name: span for service, span in Collector.spans
-                if int.from_bytes(span.trace_id, "big") == CLIENT_TRACE_ID}
-        if wanted <= set(ours):
-            break
-        time.sleep(0.5)
-    assert set(ours) == wanted
+    ours = spans_of(CLIENT_TRACE_ID, wanted)
     assert {service for service, _ in Collector.spans} == {"chatserve-traced"}
     server, worker = ours["POST /v1/chat/completions"], ours["chatserve.worker"]
     assert int.from_bytes(server.parent_span_id, "big") == CLIENT_SPAN_ID
@@ -100,13 +106,7 @@ def test_an_embeddings_request_is_traced_on_both_sides(traced_app):
     assert reply.status_code == 200
     wanted = {"POST /v1/embeddings", "chatserve.parse", "chatserve.worker", "chatserve.admit", "chatserve.queue",
               "chatserve.prefill"}
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        ours = {span.name: span for _, span in Collector.spans if int.from_bytes(span.trace_id, "big") == trace_id}
-        if wanted <= set(ours):
-            break
-        time.sleep(0.5)
-    assert set(ours) == wanted
+    ours = spans_of(trace_id, wanted)
     server, worker = ours["POST /v1/embeddings"], ours["chatserve.worker"]
     assert int.from_bytes(server.parent_span_id, "big") == span_id
     assert ours["chatserve.parse"].parent_span_id == worker.parent_span_id == server.span_id
@@ -132,13 +132,7 @@ def test_a_handle_call_is_traced_under_the_callers_traceparent(traced_app):
     reply = handle.chat.remote(body, trace_headers={"traceparent": f"00-{trace_id:032x}-{span_id:016x}-01"}).result()
     wanted = {"CALL handle:chat", "chatserve.parse", "chatserve.stream", "chatserve.worker", "chatserve.admit",
               "chatserve.queue", "chatserve.prefill", "chatserve.decode"}
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        ours = {span.name: span for _, span in Collector.spans if int.from_bytes(span.trace_id, "big") == trace_id}
-        if wanted <= set(ours):
-            break
-        time.sleep(0.5)
-    assert set(ours) == wanted
+    ours = spans_of(trace_id, wanted)
     server, worker = ours["CALL handle:chat"], ours["chatserve.worker"]
     assert int.from_bytes(server.parent_span_id, "big") == span_id and worker.parent_span_id == server.span_id
     attributes = {a.key: a.value for a in server.attributes}

@@ -15,6 +15,7 @@ from workers.core.limits import EngineLimits
 from workers.engine.llm_engine import LLMEngine
 from workers.parallel.shard_loop import shard_kv_shape
 from workers.serving.async_engine import AsyncEngine
+from workers.speculative.proposals import StepCost
 
 CPU = torch.device("cpu")
 
@@ -39,15 +40,19 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
 
 
 def make_engine(model, num_blocks=256, block_size=4, eos=frozenset(), tokenizer=None, shard_group=None,
-                stage=None, draft_model=None, **limits) -> LLMEngine:
+                stage=None, draft_model=None, learn_step_cost=False, **limits) -> LLMEngine:
     """`shard_group`: `model` is the driver's part of a split model (workers/parallel/), by
     tensors, or by layers when `stage` (its first pipeline stage) is given. `draft_model`:
-    speculative method 'draft's."""
+    speculative method 'draft's. A proposer prices its tokens at the fixed prior unless
+    `learn_step_cost` (the measured price follows step timings, which a loaded test machine
+    makes noisy: the tests' proposal counts would too)."""
     per_token = shard_kv_shape(model, shard_group.world if shard_group else 1, stage).bytes_per_token
     limits = EngineLimits(block_size=block_size, kv_cache_bytes=num_blocks * block_size * per_token, **limits)
     engine = LLMEngine(model, eos, limits, CPU, tokenizer=tokenizer, shard_group=shard_group, stage=stage,
                        draft_model=draft_model)
     assert engine.blocks.num_blocks == num_blocks
+    if engine.proposer is not None and not learn_step_cost:
+        engine.proposer.step_cost = StepCost(engine.proposer.step_cost.prior, learn=False)
     return engine
 
 

@@ -57,7 +57,7 @@ def test_the_engine_prices_proposals_by_its_own_steps(paged_model):
     """An engine with ngram proposals records its decode and verification steps: once rows
     have varied, the proposer's price is the measured one, not the prior."""
     speculative = SpeculativeLimits(num_tokens=4, lookup_min=1, lookup_max=3, disable_by_batch_size=None)
-    engine = make_engine(paged_model, speculative=speculative)
+    engine = make_engine(paged_model, speculative=speculative, learn_step_cost=True)
     for prompt in ([5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 9, 10, 9, 10]):
         engine.add_request(prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
     run_to_completion(engine)
