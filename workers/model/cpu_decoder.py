@@ -86,8 +86,7 @@ class DecodeLayers:
             weights=self._weights.data_ptr(), norms=self._norms.data_ptr(),
             qkv_bias=self._bias_addresses.data_ptr(), keys=None, values=None, num_slots=0, block_size=1)
         self.supported = bool(library.decoder_layers_supported(ctypes.byref(self._struct)))
-        self._work_bytes = kernels()._work_bytes  # interleaved_matmul_work_bytes
-        self._levels = first.qkv.levels
+        self._widest = max(self.hidden, self.attn_width, self.intermediate)  # the products' largest input
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, slots: torch.Tensor,
                  tables: torch.Tensor, lens: torch.Tensor, cache: PagedKVCache) -> bool:
@@ -105,8 +104,7 @@ class DecodeLayers:
         qkv = torch.empty(rows, self.qkv_width, dtype=torch.float32)
         attn = torch.empty(rows, self.attn_width, dtype=torch.float32)
         gate_up = torch.empty(rows, 2 * self.intermediate, dtype=torch.float32)
-        widest = max(self.hidden, self.attn_width, self.intermediate)
-        work = torch.empty(self._work_bytes(rows, widest, self._levels), dtype=torch.uint8)
+        work = kernels().work_buffer(rows, self._widest, struct.levels)
         status = self._library.decode_layers(
             ctypes.byref(struct), x.data_ptr(), rows, cos.data_ptr(), signed_sin.data_ptr(), slots.data_ptr(),
             tables.data_ptr(), tables.shape[1], lens.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(),

@@ -13,8 +13,8 @@ cache write are one C pass giving the same bits (cpu_attention.c). A layer whose
 are 8-bit QuantizedLinears goes further (`_FusedNorms`): its norms, SiLU gate and residual
 adds run inside those products, within the activations' rounding of the separate operators
 (tests/unit/model/test_fused_products.py). When every layer is fused, a step of decode rows
-(and short spans the C attention takes as such) on the CPU runs all of them in one C call (cpu_decoder.py: the same operations, one OpenMP
-region instead of six calls from Python a layer).
+(and short spans the C attention takes as such) on the CPU runs all of them in one C call
+(cpu_decoder.py: the same operations, one OpenMP region instead of six calls a layer).
 
 It runs only what it was written for: Llama, Mistral, Qwen2 and Qwen3 models (Qwen3's
 per-head RMSNorm of q and k included) with their sibling projections fused
@@ -260,12 +260,12 @@ class DirectForward:
         # the sign moves onto the sine once a step: -(a * b) == a * -b exactly in floats.
         half = sin.shape[-1] // 2
         signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        owned = False  # the fused layers add into x in place: once on a copy of their own
         rows = self._one_call_rows(x, meta)
         if rows is not None:
-            x = x.clone()  # changed in place
+            x, owned = x.clone(), True  # a declined call leaves it untouched for the loop below
             if self.decode_layers(x, cos, signed_sin, meta.slot_mapping, *rows, meta.kv_cache):
                 return x
-        owned = False  # the fused layers add into x in place: once on a copy of their own
         for layer in self.layers:
             if layer.fused is not None:
                 if not owned:

@@ -66,7 +66,7 @@ class QuantKernels:
         activations' rounding (relative error ~0.5 %, llama.cpp's); two (x rounded, then
         what that left out): ~1e-4, for about twice the integer work."""
         out = torch.empty(x.shape[0], rows, dtype=torch.float32)
-        work = _work_buffer(self._work_bytes(x.shape[0], cols, levels))
+        work = self.work_buffer(x.shape[0], cols, levels)
         status = self._interleaved(fmt, interleaved.data_ptr(), rows, cols, x.data_ptr(), x.shape[0],
                                    out.data_ptr(), work.data_ptr(), levels, torch.get_num_threads())
         if status:
@@ -81,7 +81,7 @@ class QuantKernels:
         each row of x (rows x.stride(0) floats apart, unit stride within; a SILU_GATE row
         holds gate then up, 2 x cols) and, with `accumulate`, out += the product."""
         rows = x.shape[0]
-        work = _work_buffer(self._work_bytes(rows, cols, levels))
+        work = self.work_buffer(rows, cols, levels)
         status = self._fused(fmt, interleaved.data_ptr(), out.shape[1], cols, x.data_ptr(), x.stride(0), rows,
                              out.data_ptr(), work.data_ptr(), levels, torch.get_num_threads(), prologue,
                              None if norm_weight is None else norm_weight.data_ptr(), eps, int(accumulate))
@@ -89,6 +89,11 @@ class QuantKernels:
             raise ValueError(f"fused_interleaved_matmul: format {fmt} with {out.shape[1]} x {cols}, {levels} levels, "
                              f"prologue {prologue}, is not supported")
         return out
+
+    def work_buffer(self, rows: int, cols: int, levels: int) -> torch.Tensor:
+        """This thread's scratch for an interleaved product of `rows` x `cols` activations
+        (reused across calls, grown as needed)."""
+        return _work_buffer(self._work_bytes(rows, cols, levels))
 
     def dequantize_interleaved(self, fmt: int, interleaved: torch.Tensor, cols: int, rows: torch.Tensor,
                                out: torch.Tensor) -> torch.Tensor:
