@@ -42,9 +42,11 @@ from serve_app.transport.replica_directory import (
 from workers.contract.kv_handoff import KVHandoff
 from workers.contract.model_config import ResumeConfig
 from workers.contract.requests import GenerateRequest
+from workers.contract.transport import ChannelEndpoint, read_batch
 
 logger = logging.getLogger("chatserve.ingress")
 
+CONNECT_TIMEOUT_S = 5.0  # to a replica's channel socket; past it the Serve channel is used
 REOPEN_DELAY_S = 1.0  # between tries to reopen a channel that ended while its replica is still listed
 RETRY_DELAY_S = 0.5  # between tries to resume a request that no replica took yet
 
@@ -213,19 +215,57 @@ class WorkerChannels:
     async def _read(self, replica: str) -> None:
         """Keep this replica's channel open and deliver what it carries, until it is gone."""
         while True:
-            channel = self._handle.options(stream=True).channel.remote(self.ingress_id, **{PIN_KEYWORD: replica})
-            try:
-                async for batch in channel:
-                    self._deliver(batch, replica)
-                reason = "its channel closed"
-            except asyncio.CancelledError:
-                channel.cancel()
-                raise
-            except Exception as exc:  # noqa: BLE001 - the replica died or restarted; requests learn it
-                logger.info("channel to worker replica %s ended: %s", replica, type(exc).__name__)
-                reason = type(exc).__name__
-            self._channel_broke(replica, reason)
+            self._channel_broke(replica, await self._read_channel(replica))
             await asyncio.sleep(REOPEN_DELAY_S)
+
+    async def _read_channel(self, replica: str) -> str:
+        """One channel's life: the replica's socket when it names one and it can be reached,
+        else the messages of the Serve call itself. Returns why it ended."""
+        pin = {PIN_KEYWORD: replica}
+        call = self._handle.options(stream=True).channel.remote(self.ingress_id, socket=True, **pin)
+        try:
+            first = await anext(call)
+            if isinstance(first, ChannelEndpoint):
+                connection = await _connect(first, replica, self.ingress_id)
+                if connection is not None:
+                    return await self._read_socket(replica, call, *connection)
+                call.cancel()
+                call = self._handle.options(stream=True).channel.remote(self.ingress_id, **pin)
+            else:  # a replica without a socket: its call carries the chunks
+                self._deliver(first, replica)
+            async for batch in call:
+                self._deliver(batch, replica)
+            return "its channel closed"
+        except StopAsyncIteration:
+            return "its channel closed"
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        except Exception as exc:  # noqa: BLE001 - the replica died or restarted; requests learn it
+            logger.info("channel to worker replica %s ended: %s", replica, type(exc).__name__)
+            return type(exc).__name__
+
+    async def _read_socket(self, replica: str, call, reader: asyncio.StreamReader,
+                           writer: asyncio.StreamWriter) -> str:
+        """The socket's messages until it closes, or until the Serve call held open beside it
+        ends (it holds the channel's place in the replica's `max_ongoing_requests`, and
+        breaks when the replica dies even where no FIN reaches this end)."""
+
+        async def frames() -> None:
+            while (batch := await read_batch(reader)) is not None:
+                self._deliver(batch, replica)
+
+        reading, held = asyncio.ensure_future(frames()), asyncio.ensure_future(anext(call, None))
+        try:
+            done, _ = await asyncio.wait({reading, held}, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()  # a broken connection or call raises here
+            return "its channel closed"
+        finally:
+            reading.cancel()
+            held.cancel()
+            call.cancel()
+            writer.close()  # the replica closes this ingress's outbox
 
     def _deliver(self, batch, replica: str) -> None:
         mailboxes = self._mailboxes
@@ -238,6 +278,22 @@ class WorkerChannels:
         for mailbox in list(self._mailboxes.values()):
             if mailbox.replica == replica:
                 mailbox.broke(f"its channel ended: {reason}")
+
+
+async def _connect(endpoint: ChannelEndpoint, replica: str, ingress_id: str
+                   ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+    """A connection to the replica's channel socket that said whose it is (the replica's
+    token, then this ingress's id), or None where it cannot be reached (then the Serve
+    channel carries the chunks)."""
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(endpoint.host, endpoint.port),
+                                                CONNECT_TIMEOUT_S)
+    except (OSError, TimeoutError) as exc:
+        logger.warning("cannot reach the channel socket of worker replica %s at %s:%d (%s): using a Serve "
+                       "streaming call", replica, endpoint.host, endpoint.port, exc)
+        return None
+    writer.write(f"{endpoint.token} {ingress_id}\n".encode())
+    return reader, writer
 
 
 def _prefills_apart(request: GenerateRequest) -> bool:

@@ -13,6 +13,7 @@ import os
 import threading
 from collections.abc import AsyncIterator
 
+import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -29,7 +30,7 @@ from workers.contract.tokenize import (
     TokenizeRequest,
     TokenizeResult,
 )
-from workers.contract.transport import ChannelBatch, ChannelReceipt
+from workers.contract.transport import ChannelBatch, ChannelEndpoint, ChannelReceipt
 from workers.contract.worker_info import ModelInfo, WorkerStats
 from workers.engine.kv_transfer import KVBlocks
 from workers.engine.llm_engine import LLMEngine
@@ -37,6 +38,7 @@ from workers.lora.replica_adapters import WorkerAdapters
 from workers.model.cpu_linear import PackedLinear
 from workers.model.fused_projections import FusedProjection
 from workers.serving.async_engine import AsyncEngine
+from workers.serving.channel_socket import ChannelSocket
 from workers.serving.channels import ChannelRegistry, until_closed
 from workers.serving.embeddings import Embeddings
 from workers.serving.engine_build import BuiltEngine, build_engine, vision_prompts
@@ -71,6 +73,14 @@ def _replica_id() -> str:
         return serve.get_replica_context().replica_id.unique_id
     except Exception:  # noqa: BLE001 - not in a replica (a test building the worker directly)
         return ""
+
+
+def _node_address() -> str:
+    """This node's address as Ray knows it (loopback outside Ray: a test building the worker)."""
+    try:
+        return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+    except Exception:  # noqa: BLE001 - no address known: this machine only
+        return "127.0.0.1"
 
 
 def _resident_bytes() -> int:
@@ -126,6 +136,7 @@ class ModelWorker:
         self.embeddings = Embeddings(self.engine, loaded.tokenizer, self.config.pooler_config, hidden_size,
                                      _embedding_refusal(self._shards, self.processor), tracing=worker_tracing)
         self.channels = ChannelRegistry()
+        self.channel_socket = ChannelSocket(self.channels, _node_address())
         self._requests_by_channel = self._requests_by_call = 0
         self.adapters = WorkerAdapters(self.engine, self.config.lora, multiplexed=True)
         self.adapters.check_configured()
@@ -149,10 +160,17 @@ class ModelWorker:
         await until_closed(outbox, asyncio.create_task(self.processor.run_guarded(request, outbox)))
         yield await outbox.receipt(request.request_id)
 
-    async def channel(self, ingress_id: str, replica: str | None = None) -> AsyncIterator[ChannelBatch]:
+    async def channel(self, ingress_id: str, replica: str | None = None,
+                      socket: bool = False) -> AsyncIterator[ChannelBatch | ChannelEndpoint]:
         """One ingress replica's channel: the chunks of all its requests here, every message
-        holding all that was pending. `replica` pins the call to this replica (the router
-        reads it). Open until the ingress cancels it or this replica stops."""
+        holding all that was pending. With `socket`, the one message is where the ingress
+        connects for them (workers/serving/channel_socket.py), and the call stays open
+        beside that connection (it holds the channel's place among the ongoing requests).
+        `replica` pins the call to this replica (the router reads it). Open until the
+        ingress cancels it or this replica stops."""
+        if socket:
+            yield await self.channel_socket.endpoint()
+            await asyncio.Event().wait()  # until cancelled
         outbox = self.channels.open(ingress_id)
         try:
             async for batch in outbox.send():

@@ -91,7 +91,9 @@ class FakeWorkers:
         self.calls.append((request, stream))
         return stream
 
-    def _channel(self, ingress_id: str, **kwargs) -> Stream:
+    def _channel(self, ingress_id: str, socket: bool = False, **kwargs) -> Stream:
+        """A channel of a replica without a socket: its messages are the chunks (the first
+        one too), whether or not the ingress asked for a socket."""
         stream = Stream()
         self.channels.setdefault(kwargs[PIN_KEYWORD], []).append(stream)
         return stream

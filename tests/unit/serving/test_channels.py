@@ -1,7 +1,8 @@
 """The worker's side of the ingress channels, in-process (no Ray): a request of an ingress
 with an open channel sends its chunks there and its own call only the receipt; a closed
-channel ends the requests that were using it; without a channel the call carries the
-chunks itself, everything pending per message."""
+channel ends the requests that were using it; a channel asked for a socket names it, and
+the connection carries the chunks; without a channel the call carries the chunks itself,
+everything pending per message."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import dataclasses
 from tests.support.engines import chat_request, wait_idle
 from tests.unit.serving.test_deployment import _with_worker
 from workers.contract.chunks import GenerationChunk
-from workers.contract.transport import ChannelReceipt
+from workers.contract.transport import ChannelEndpoint, ChannelReceipt, read_batch
 from workers.serving.channels import ChannelOutbox, ChannelRegistry
 
 
@@ -44,6 +45,35 @@ def test_chunks_go_by_the_channel_and_the_call_ends_with_the_count_sent(tiny_mod
     chunks = [chunk for _, chunk in received]
     assert sum(len(c.token_ids) for c in chunks) == 12 and chunks[-1].finish_reason == "length"
     assert open_channels == 0  # the channel closed with its reader
+
+
+def test_a_socket_channel_carries_the_chunks_and_the_call_names_the_socket(tiny_model_dir):
+    async def body(worker):
+        channel = worker.channel("ingress-1", replica="pinned", socket=True)
+        endpoint = await anext(channel)
+        held = asyncio.create_task(anext(channel))  # the call stays open beside the socket
+        reader, writer = await asyncio.open_connection(endpoint.host, endpoint.port)
+        writer.write(f"{endpoint.token} ingress-1\n".encode())
+        while worker.channels.get("ingress-1") is None:
+            await asyncio.sleep(0.01)
+        request = with_ingress(chat_request("Hello there", 12, ignore_eos=True))
+        own = [message async for message in worker.generate(request)]
+        received = []
+        while sum(len(chunk.token_ids) for _, chunk in received) < 12:
+            received.extend(await read_batch(reader))
+        still_open = not held.done()
+        writer.close()
+        held.cancel()
+        await asyncio.gather(held, return_exceptions=True)
+        while len(worker.channels):  # the connection's end closed the outbox
+            await asyncio.sleep(0.01)
+        await wait_idle(worker.engine)
+        return endpoint, own, received, still_open
+
+    endpoint, (receipt,), received, still_open = _with_worker(tiny_model_dir, {}, body)
+    assert isinstance(endpoint, ChannelEndpoint) and endpoint.host == "127.0.0.1" and still_open
+    assert isinstance(receipt, ChannelReceipt) and receipt.entries == len(received)
+    assert {request_id for request_id, _ in received} == {"r"} and received[-1][1].finish_reason == "length"
 
 
 def test_without_a_channel_the_call_carries_lists_of_chunks(tiny_model_dir):
