@@ -1,0 +1,149 @@
+"""Deterministic outputs through Serve across a worker kill: the default model on two worker
+replicas with `engine.deterministic: true`, in each dtype asked. 16 streams (8 greedy, 8
+seeded at temperature 0.9; tools/reliability/determinism.py's prompts) run at once,
+undisturbed; then the same 16 again, and once a third of their tokens arrived one worker
+replica is killed (`ray.kill`, no restart): its streams resume on the other replica. The
+script counts the streams whose text equals their undisturbed run, and the resumes
+(/metrics `chatserve_requests_resumed_total`). `--also-off`: each dtype with the mode off too.
+
+    python -m tools.reliability.determinism_serve --dtype float32 bfloat16 [--also-off]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import time
+
+import httpx
+
+from tools.reliability.determinism import TOPICS
+from tools.reliability.replicas import (
+    kill_replica,
+    wait_all_running,
+    wait_replaced,
+    with_worker_replicas,
+)
+
+APP = "determinism"
+STREAMS = 16
+
+
+def bodies(model: str, max_tokens: int) -> list[dict]:
+    """determinism.py's 16 requests as chat bodies: even ones greedy, odd ones seeded."""
+    out = []
+    for k in range(STREAMS):
+        text = f"Write {1 + k % 4} sentences about {TOPICS[k % len(TOPICS)]} and {TOPICS[(3 * k + 1) % len(TOPICS)]}."
+        sampling = {"temperature": 0.0} if k % 2 == 0 else {"temperature": 0.9, "seed": k}
+        out.append({"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+                    "ignore_eos": True, "stream": True, **sampling})
+    return out
+
+
+async def stream_text(client: httpx.AsyncClient, url: str, body: dict, progress: list[int]) -> str:
+    """The stream's content; an error event or a cut stream is part of what is compared."""
+    pieces = []
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                return "".join(pieces) + f" <error {event['error'].get('code')}>"
+            for choice in event.get("choices", []):
+                if choice["delta"].get("content"):
+                    pieces.append(choice["delta"]["content"])
+                    progress[0] += 1
+    return "".join(pieces)
+
+
+async def run_streams(url: str, requests: list[dict], kill_at: int | None, kill) -> list[str]:
+    """Every stream's text; with `kill_at`, `kill` runs in a thread once that many chunks arrived."""
+    progress = [0]
+
+    async def killer() -> None:
+        while progress[0] < kill_at:
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(kill)
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        tasks = [asyncio.create_task(stream_text(client, url, body, progress)) for body in requests]
+        watcher = asyncio.create_task(killer()) if kill_at is not None else None
+        texts = await asyncio.gather(*tasks)
+        if watcher is not None:
+            await watcher
+    return texts
+
+
+def resumed_total(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(float(m) for m in re.findall(r"^chatserve_requests_resumed_total(?:\{[^}]*\})? (\S+)$", text, re.M))
+
+
+def one_dtype(config: dict, dtype: str, deterministic: bool, url: str, max_tokens: int) -> dict:
+    from ray import serve
+
+    from serve_app.app import build_app, worker_deployment_name
+    from tools.servers import wait_ready
+
+    args = with_worker_replicas(config, 2)
+    model = args["models"][0]
+    model["dtype"] = dtype
+    model.setdefault("engine", {})["deterministic"] = deterministic
+    deployment = worker_deployment_name(model["id"])
+    serve.run(build_app(args), name=APP, route_prefix="/", blocking=False)
+    try:
+        wait_ready(url)
+        wait_all_running(APP, deployment, 2, timeout_s=300)
+        requests = bodies(model["id"], max_tokens)
+        undisturbed = asyncio.run(run_streams(url, requests, None, None))
+        before = resumed_total(url)
+        killed: list[str] = []
+
+        def kill() -> None:
+            killed.append(kill_replica(APP, deployment))
+
+        started = time.monotonic()
+        disturbed = asyncio.run(run_streams(url, requests, STREAMS * max_tokens // 3, kill))
+        resumes = resumed_total(url) - before
+        replaced = wait_replaced(APP, deployment, killed[0], 2, started, 300) if killed else None
+        equal = sum(a == b for a, b in zip(undisturbed, disturbed))
+        greedy = sum(a == b for a, b in zip(undisturbed[::2], disturbed[::2]))
+        return {"dtype": dtype, "deterministic": deterministic, "equal": equal, "greedy_equal": greedy, "seeded_equal": equal - greedy,
+                "streams": STREAMS, "resumes": resumes, "killed": killed, "replaced_s": replaced,
+                "differing": [i for i, (a, b) in enumerate(zip(undisturbed, disturbed)) if a != b]}
+    finally:
+        serve.delete(APP)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import ray
+    import yaml
+    from ray import serve
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/default.yaml")
+    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--also-off", action="store_true", help="each dtype with the mode off too")
+    parser.add_argument("--port", type=int, default=8000)
+    args = parser.parse_args(argv)
+    with open(args.config) as f:
+        config = yaml.safe_load(f)["applications"][0]["args"]
+    ray.init(include_dashboard=False, log_to_driver=False)
+    url = f"http://127.0.0.1:{args.port}"
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+        for dtype in args.dtype:
+            for deterministic in (True, False) if args.also_off else (True,):
+                report = one_dtype(config, dtype, deterministic, url, args.max_tokens)
+                print(json.dumps(report), flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
