@@ -92,38 +92,36 @@ def test_the_ingress_closing_the_socket_closes_the_replicas_outbox():
     asyncio.run(body())
 
 
-def test_the_replica_closing_the_socket_breaks_the_requests_on_it():
-    async def body():
-        registry, channel_socket, _, transport = await socket_channel()
-        mailbox = transport.call(request("r"))
-        registry.get(transport.ingress_id).put("r", text("partial"))
-        first = await anext(mailbox)
-        registry.close(transport.ingress_id)  # as a replica whose process ends
-        rest = [c async for c in mailbox]
-        transport.stop()
-        channel_socket.close()
-        return first, rest
+async def broken_after_a_chunk(end) -> tuple:
+    """A request on the socket channel gets a chunk, then `end(registry, workers, ingress id)`
+    breaks the channel: (its first chunk, the rest of its stream)."""
+    registry, channel_socket, workers, transport = await socket_channel()
+    mailbox = transport.call(request("r"))
+    outbox = registry.get(transport.ingress_id)
+    outbox.put("r", text("partial"))
+    first = await anext(mailbox)
+    end(registry, workers, transport.ingress_id)
+    rest = [c async for c in mailbox]
+    await until(lambda: outbox.closed)  # both ends let go of the channel
+    transport.stop()
+    channel_socket.close()
+    return first, rest
 
-    first, (failed,) = asyncio.run(body())
+
+def test_the_replica_closing_the_socket_breaks_the_requests_on_it():
+    def replica_ends(registry, workers, ingress_id):  # as a replica whose process ends
+        registry.close(ingress_id)
+
+    first, (failed,) = asyncio.run(broken_after_a_chunk(replica_ends))
     assert first.text == "partial" and (failed.error.status, failed.error.code) == (503, "worker_failed")
 
 
 def test_the_held_call_ending_breaks_the_requests_on_the_socket():
-    async def body():
-        registry, channel_socket, workers, transport = await socket_channel()
-        mailbox = transport.call(request("r"))
-        outbox = registry.get(transport.ingress_id)
-        outbox.put("r", text("partial"))
-        first = await anext(mailbox)
-        workers.channels["a"][0].fail(RuntimeError("replica died"))  # no FIN on the socket
-        rest = [c async for c in mailbox]
-        await until(lambda: outbox.closed)  # the ingress closed its end
-        transport.stop()
-        channel_socket.close()
-        return first, rest
+    def call_breaks(registry, workers, ingress_id):  # the replica died, no FIN on the socket
+        workers.channels["a"][0].fail(RuntimeError("replica died"))
 
-    first, (failed,) = asyncio.run(body())
-    assert first.text == "partial" and failed.error.code == "worker_failed"
+    first, (failed,) = asyncio.run(broken_after_a_chunk(call_breaks))
+    assert first.text == "partial" and (failed.error.status, failed.error.code) == (503, "worker_failed")
 
 
 def test_a_connection_without_the_replicas_token_is_refused():
