@@ -11,8 +11,9 @@ next barrier). On the socket a message is one pickled frame, written and read by
 event loops.
 
 The ingress asks for the address by a Serve call pinned to this replica
-(`ModelWorker.channel_endpoint`); a connection's first line must carry this replica's
-token (only a caller of the deployment has it) and the ingress id. The ingress closing
+(`ModelWorker.channel(ingress_id, socket=True)`, whose one message is the address and
+which stays open beside the connection); a connection's first line must carry this
+replica's token (only a caller of the deployment has it) and the ingress id. The ingress closing
 the connection closes its outbox, as cancelling the Serve channel does. Where the
 ingress cannot connect (a network that allows only Ray's ports), it uses the Serve
 channel instead.
