@@ -31,16 +31,22 @@ TOPICS = ("cats dogs ships trains rivers mountains bread jazz snow maps clocks b
 MAX_TOKENS = 48
 
 
+def prompt_text(k: int) -> str:
+    """Request k's user message (determinism_serve.py sends the same ones)."""
+    return f"Write {1 + k % 4} sentences about {TOPICS[k % len(TOPICS)]} and {TOPICS[(3 * k + 1) % len(TOPICS)]}."
+
+
+def sampling(k: int) -> dict:
+    """Request k's sampling: even ones greedy, odd ones seeded at temperature 0.9."""
+    return {"temperature": 0.0} if k % 2 == 0 else {"temperature": 0.9, "seed": k}
+
+
 def requests(tokenizer, count: int, offset: int = 0) -> list[tuple[list[int], SamplingParams]]:
     out = []
-    for i in range(count):
-        k = offset + i
-        text = f"Write {1 + k % 4} sentences about {TOPICS[k % len(TOPICS)]} and {TOPICS[(3 * k + 1) % len(TOPICS)]}."
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+    for k in range(offset, offset + count):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt_text(k)}], add_generation_prompt=True,
                                             tokenize=True, return_dict=False)
-        params = (SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True) if k % 2 == 0 else
-                  SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=k, ignore_eos=True))
-        out.append((ids, params))
+        out.append((ids, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **sampling(k))))
     return out
 
 

@@ -14,18 +14,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import time
 
 import httpx
 
-from tools.reliability.determinism import TOPICS
+from tools.reliability.determinism import prompt_text, sampling
 from tools.reliability.replicas import (
     kill_replica,
     wait_all_running,
     wait_replaced,
     with_worker_replicas,
 )
+from tools.reliability.soak import resumes_counted
 
 APP = "determinism"
 STREAMS = 16
@@ -33,13 +33,8 @@ STREAMS = 16
 
 def bodies(model: str, max_tokens: int) -> list[dict]:
     """determinism.py's 16 requests as chat bodies: even ones greedy, odd ones seeded."""
-    out = []
-    for k in range(STREAMS):
-        text = f"Write {1 + k % 4} sentences about {TOPICS[k % len(TOPICS)]} and {TOPICS[(3 * k + 1) % len(TOPICS)]}."
-        sampling = {"temperature": 0.0} if k % 2 == 0 else {"temperature": 0.9, "seed": k}
-        out.append({"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
-                    "ignore_eos": True, "stream": True, **sampling})
-    return out
+    return [{"model": model, "messages": [{"role": "user", "content": prompt_text(k)}], "max_tokens": max_tokens,
+             "ignore_eos": True, "stream": True, **sampling(k)} for k in range(STREAMS)]
 
 
 async def stream_text(client: httpx.AsyncClient, url: str, body: dict, progress: list[int]) -> str:
@@ -77,11 +72,6 @@ async def run_streams(url: str, requests: list[dict], kill_at: int | None, kill)
     return texts
 
 
-def resumed_total(url: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=30).text
-    return sum(float(m) for m in re.findall(r"^chatserve_requests_resumed_total(?:\{[^}]*\})? (\S+)$", text, re.M))
-
-
 def one_dtype(config: dict, dtype: str, deterministic: bool, url: str, max_tokens: int) -> dict:
     from ray import serve
 
@@ -99,7 +89,7 @@ def one_dtype(config: dict, dtype: str, deterministic: bool, url: str, max_token
         wait_all_running(APP, deployment, 2, timeout_s=300)
         requests = bodies(model["id"], max_tokens)
         undisturbed = asyncio.run(run_streams(url, requests, None, None))
-        before = resumed_total(url)
+        before = resumes_counted(url, model["id"]) or 0
         killed: list[str] = []
 
         def kill() -> None:
@@ -107,7 +97,7 @@ def one_dtype(config: dict, dtype: str, deterministic: bool, url: str, max_token
 
         started = time.monotonic()
         disturbed = asyncio.run(run_streams(url, requests, STREAMS * max_tokens // 3, kill))
-        resumes = resumed_total(url) - before
+        resumes = (resumes_counted(url, model["id"]) or 0) - before
         replaced = wait_replaced(APP, deployment, killed[0], 2, started, 300) if killed else None
         equal = sum(a == b for a, b in zip(undisturbed, disturbed))
         greedy = sum(a == b for a, b in zip(undisturbed[::2], disturbed[::2]))

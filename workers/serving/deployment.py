@@ -170,7 +170,8 @@ class ModelWorker:
         ingress cancels it or this replica stops."""
         if socket:
             yield await self.channel_socket.endpoint()
-            await asyncio.Event().wait()  # until cancelled
+            await asyncio.Event().wait()  # held open until the ingress cancels it
+            return
         outbox = self.channels.open(ingress_id)
         try:
             async for batch in outbox.send():
