@@ -61,9 +61,10 @@ def test_next_turn_finds_the_last_turn_cached(two_replicas):
                  {"role": "user", "content": "And tomorrow?"}]
         second = chat(two_replicas, turn2)
         cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
-        # All of turn 1's prompt but its last partial KV block (4 tokens) is cached only on
-        # the replica that ran turn 1; the other replica could hold the system prompt at most.
-        assert cached >= first["usage"]["prompt_tokens"] - 4, (n, cached, first["usage"])
+        # Turn 1's prompt (but perhaps its last token, which the answer's text may merge
+        # with) is cached only on the replica that ran turn 1; the other replica could hold
+        # the system prompt at most.
+        assert cached >= first["usage"]["prompt_tokens"] - 1, (n, cached, first["usage"])
 
 
 def test_a_load_with_nothing_shared_is_spread(two_replicas):

@@ -17,6 +17,14 @@ leading blocks hash the same takes those blocks by reference instead of computin
 them. A block whose last reference goes keeps its hash and stays findable while it
 sits in the free pool; the pool hands out least-recently-freed blocks first, so the
 cached blocks evicted are the ones unused longest.
+
+Below a block, the cache is token-granular (as llama.cpp's slots and SGLang's radix tree):
+every cached block is also filed under its parent's hash with the tokens it holds, and a
+sequence's last, partly filled block joins them when the sequence is freed. Past its
+matching full blocks, a new sequence takes the child whose tokens share the longest run
+with its own next ones, as computed up to there; its first write lands in a private copy
+(a block the cache vouches for is never written in place). So a prompt sent again, or an
+agent's next turn, prefills only the tokens that are new, not the rest of a block too.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from workers.core.sequence import Sequence
 
@@ -34,6 +43,31 @@ def chain_hash(parent: bytes | None, token_ids: list[int], salt: bytes = b"") ->
     h.update(parent if parent is not None else b"\x00" + salt)
     h.update(array("q", token_ids).tobytes())
     return h.digest()
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """What the prefix cache holds of a sequence's start: full blocks, possibly followed by
+    one block whose first tokens match (the tail), and how many tokens all that covers."""
+
+    blocks: tuple[int, ...] = ()
+    num_tokens: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.blocks)
+
+
+NO_HIT = PrefixHit()
+
+
+def _common_run(a: tuple[int, ...], b: list[int]) -> int:
+    """Length of the run of equal tokens `a` and `b` start with."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 class BlockManager:
@@ -48,6 +82,10 @@ class BlockManager:
         self._refs = [0] * num_blocks
         self._hash_of: list[bytes | None] = [None] * num_blocks
         self._cached: dict[bytes, int] = {}  # chain hash -> block holding that prefix
+        # Token-granular level: parent key (the previous block's chain hash, or the root
+        # key of a salt) -> cached blocks hanging from it, each with the tokens it holds.
+        self._children: dict[bytes, dict[int, tuple[int, ...]]] = {}
+        self._parent_of: list[bytes | None] = [None] * num_blocks
         self.query_tokens = 0  # prompt tokens looked up in the prefix cache (counter)
         self.hit_tokens = 0  # of which found there
 
@@ -66,27 +104,45 @@ class BlockManager:
 
     # --- prefix cache ----------------------------------------------------------------
 
-    def cached_prefix(self, seq: Sequence) -> list[int]:
-        """Blocks holding the longest cached prefix of a sequence that has none yet. The
-        last token is never covered: its logits are needed to sample."""
+    def cached_prefix(self, seq: Sequence) -> PrefixHit:
+        """The longest cached prefix of a sequence that has none yet: its full blocks, then
+        the cached block sharing most of the tokens after them. The last token is never
+        covered: its logits are needed to sample."""
         if not self.enable_prefix_caching or seq.block_table or _needs_every_prompt_logit(seq):
-            return []
-        max_blocks = (seq.num_tokens - 1) // self.block_size
-        return self.cached_blocks(self._block_hashes(seq, max_blocks))
+            return NO_HIT
+        wanted = seq.num_tokens - 1
+        hashes = self._block_hashes(seq, wanted // self.block_size)
+        blocks = self.cached_blocks(hashes)
+        start = len(blocks) * self.block_size
+        parent = hashes[len(blocks) - 1] if blocks else _root_key(seq.cache_salt)
+        tail, run = self._longest_child(parent, seq.token_ids[start:min(start + self.block_size, wanted)])
+        if run:
+            blocks.append(tail)
+        return PrefixHit(tuple(blocks), start + run)
 
-    def use_prefix(self, seq: Sequence, blocks: list[int]) -> None:
-        """Start `seq` with `blocks` (from `cached_prefix`) as computed context."""
+    def _longest_child(self, parent: bytes, tokens: list[int]) -> tuple[int, int]:
+        """(block, run): the cached child of `parent` whose tokens start with the longest run
+        of `tokens` (run 0: none starts with even one)."""
+        best, best_run = -1, 0
+        for block, held in self._children.get(parent, {}).items():
+            run = _common_run(held, tokens)
+            if run > best_run:
+                best, best_run = block, run
+        return best, best_run
+
+    def use_prefix(self, seq: Sequence, prefix: PrefixHit) -> None:
+        """Start `seq` with `prefix` (from `cached_prefix`) as computed context."""
         if seq.num_cached_tokens is None:  # first admission: what usage reports
-            seq.num_cached_tokens = len(blocks) * self.block_size
+            seq.num_cached_tokens = prefix.num_tokens
             self.query_tokens += seq.num_tokens
             self.hit_tokens += seq.num_cached_tokens
-        for block in blocks:
+        for block in prefix.blocks:
             if self._refs[block] == 0:
                 del self._free[block]
             self._refs[block] += 1
-        seq.block_table = list(blocks)
-        seq.num_computed_tokens = len(blocks) * self.block_size
-        seq.num_cached_blocks = len(blocks)
+        seq.block_table = list(prefix.blocks)
+        seq.num_computed_tokens = prefix.num_tokens
+        seq.num_cached_blocks = prefix.num_tokens // self.block_size
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Register the full blocks whose K/V are now computed (called after a step ran)."""
@@ -98,12 +154,45 @@ class BlockManager:
         if full <= seq.num_cached_blocks:
             return
         hashes = self._block_hashes(seq, full)
+        bs = self.block_size
         for index in range(seq.num_cached_blocks, full):
             block, h = seq.block_table[index], hashes[index]
             if h not in self._cached and self._hash_of[block] is None:
                 self._cached[h] = block
                 self._hash_of[block] = h
+                self._file_child(block, self._parent_key(seq, hashes, index), seq.token_ids[index * bs:(index + 1) * bs])
         seq.num_cached_blocks = full
+
+    def _cache_tail(self, seq: Sequence) -> None:
+        """File a sequence's partly filled last computed block (it is being freed) under its
+        parent, so a later sequence can take the tokens it holds."""
+        if not self.enable_prefix_caching:
+            return
+        known = min(seq.num_computed_tokens, seq.num_tokens)
+        index, held = divmod(known, self.block_size)
+        if not held or index >= len(seq.block_table):
+            return
+        block = seq.block_table[index]
+        if self._hash_of[block] is None and self._parent_of[block] is None:
+            hashes = self._block_hashes(seq, index)
+            self._file_child(block, self._parent_key(seq, hashes, index), seq.token_ids[index * self.block_size:known])
+
+    def _parent_key(self, seq: Sequence, hashes: list[bytes], index: int) -> bytes:
+        return hashes[index - 1] if index else _root_key(seq.cache_salt)
+
+    def _file_child(self, block: int, parent: bytes, tokens: list[int]) -> None:
+        self._children.setdefault(parent, {})[block] = tuple(tokens)
+        self._parent_of[block] = parent
+
+    def _unfile(self, block: int) -> None:
+        parent = self._parent_of[block]
+        if parent is None:
+            return
+        siblings = self._children[parent]
+        del siblings[block]
+        if not siblings:
+            del self._children[parent]
+        self._parent_of[block] = None
 
     def prefix_hashes(self, token_ids: list[int], salt: bytes = b"") -> list[bytes]:
         """Chain hashes of every full block of `token_ids` (a prefix handed between replicas)."""
@@ -154,17 +243,18 @@ class BlockManager:
 
     # --- allocation ------------------------------------------------------------------
 
-    def blocks_needed(self, seq: Sequence, num_new_tokens: int, prefix: list[int] | tuple[int, ...] = ()) -> int:
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int, prefix: PrefixHit = NO_HIT) -> int:
         """Blocks `seq` must take from the pool so `num_new_tokens` more tokens fit after its
-        computed ones (after the cached `prefix` blocks, for a sequence being admitted)."""
-        computed = seq.num_computed_tokens + len(prefix) * self.block_size
-        have = len(seq.block_table) + len(prefix)
+        computed ones (after the cached `prefix`, for a sequence being admitted)."""
+        computed = seq.num_computed_tokens + prefix.num_tokens
+        have = len(seq.block_table) + len(prefix.blocks)
         needed = max(0, -(-(computed + num_new_tokens) // self.block_size) - have)
         # A cached block nobody references sits in the free pool: reusing it takes it out.
-        idle_prefix = sum(1 for block in prefix if self._refs[block] == 0)
-        return needed + idle_prefix + int(self._needs_copy(seq, num_new_tokens))
+        idle_prefix = sum(1 for block in prefix.blocks if self._refs[block] == 0)
+        tail_copy = num_new_tokens > 0 and prefix.num_tokens % self.block_size != 0
+        return needed + idle_prefix + int(tail_copy or self._needs_copy(seq, num_new_tokens))
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix: list[int] | tuple[int, ...] = ()) -> bool:
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix: PrefixHit = NO_HIT) -> bool:
         return self.blocks_needed(seq, num_new_tokens, prefix) <= len(self._free)
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
@@ -193,6 +283,7 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references and forget what was computed."""
+        self._cache_tail(seq)
         # Last block first: a prefix chain is evicted from its tail, keeping its head findable.
         for block in reversed(seq.block_table):
             self._release(block)
@@ -204,11 +295,15 @@ class BlockManager:
         return self.num_blocks * self.block_size
 
     def _needs_copy(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """The first write lands in an existing block that another sequence also holds."""
+        """The first write lands in an existing block that another sequence also holds, or
+        that the prefix cache holds (a tail taken from it)."""
         if num_new_tokens <= 0:
             return False
         index = seq.num_computed_tokens // self.block_size
-        return index < len(seq.block_table) and self._refs[seq.block_table[index]] > 1
+        if index >= len(seq.block_table):
+            return False
+        block = seq.block_table[index]
+        return self._refs[block] > 1 or self._parent_of[block] is not None or self._hash_of[block] is not None
 
     def _take(self) -> int:
         block, _ = self._free.popitem(last=False)
@@ -216,6 +311,7 @@ class BlockManager:
         if h is not None:  # evict: its slots are about to be overwritten
             del self._cached[h]
             self._hash_of[block] = None
+        self._unfile(block)
         self._refs[block] = 1
         return block
 
@@ -223,6 +319,11 @@ class BlockManager:
         self._refs[block] -= 1
         if self._refs[block] == 0:
             self._free[block] = None
+
+
+def _root_key(salt: bytes) -> bytes:
+    """The parent key of a salt's first blocks (chain hashes are 16 bytes; this is longer)."""
+    return b"root:" + salt + b"\x00" * 16
 
 
 def _needs_every_prompt_logit(seq: Sequence) -> bool:

@@ -205,7 +205,7 @@ class Scheduler:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             prefix = self.blocks.cached_prefix(seq)
-            n = self._chunk_size(seq.num_uncomputed_tokens - len(prefix) * self.blocks.block_size, budget)
+            n = self._chunk_size(seq.num_uncomputed_tokens - prefix.num_tokens, budget)
             if n == 0 or not self.blocks.can_allocate(seq, n, prefix):
                 break
             if seq.lora is not None and not self.lora.admit(seq):

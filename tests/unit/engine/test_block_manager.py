@@ -7,7 +7,7 @@ import torch
 
 from workers.contract.sampling_params import SamplingParams
 from workers.core.sequence import Sequence
-from workers.engine.block_manager import BlockManager, chain_hash
+from workers.engine.block_manager import NO_HIT, BlockManager, PrefixHit, chain_hash
 from workers.model.kv_cache import KVCacheShape, PagedKVCache
 
 
@@ -163,7 +163,7 @@ def test_second_sequence_shares_full_prefix_blocks_by_reference():
     assert bm.num_cached_blocks == 2
     b = prompt_seq(list(range(10, 18)) + [99, 98, 97], seq_id=1)  # shares the first 8 tokens
     prefix = bm.cached_prefix(b)
-    assert prefix == a.block_table[:2]
+    assert prefix == PrefixHit(tuple(a.block_table[:2]), 8)  # a's last block is still being written
     assert bm.blocks_needed(b, 3, prefix) == 1  # only the block for tokens 8..10
     bm.use_prefix(b, prefix)
     assert b.num_computed_tokens == 8 and b.num_cached_tokens == 8
@@ -177,7 +177,7 @@ def test_chain_hash_needs_the_whole_prefix_not_just_the_block():
     bm = BlockManager(num_blocks=16, block_size=4)
     compute_all(bm, prompt_seq([1, 2, 3, 4, 5, 6, 7, 8, 9]))
     other_head = prompt_seq([0, 2, 3, 4, 5, 6, 7, 8, 9], seq_id=1)  # block 1 equal, block 0 not
-    assert bm.cached_prefix(other_head) == []
+    assert bm.cached_prefix(other_head) == NO_HIT
 
 
 def test_the_last_token_is_always_computed():
@@ -185,28 +185,29 @@ def test_the_last_token_is_always_computed():
     a = prompt_seq(range(8))
     compute_all(bm, a)
     same = prompt_seq(range(8), seq_id=1)  # exactly two full blocks, both cached
-    assert bm.cached_prefix(same) == a.block_table[:1]  # the second is recomputed for the logits
+    # the second is taken as a tail, all but its last token: that one is recomputed for the logits
+    assert bm.cached_prefix(same) == PrefixHit(tuple(a.block_table), 7)
 
 
 def test_salt_separates_equal_tokens():
     bm = BlockManager(num_blocks=16, block_size=4)
     compute_all(bm, prompt_seq(range(9), salt=b"image-a"))
-    assert bm.cached_prefix(prompt_seq(range(9), seq_id=1, salt=b"image-b")) == []
-    assert bm.cached_prefix(prompt_seq(range(9), seq_id=2)) == []
-    assert len(bm.cached_prefix(prompt_seq(range(9), seq_id=3, salt=b"image-a"))) == 2
+    assert bm.cached_prefix(prompt_seq(range(9), seq_id=1, salt=b"image-b")) == NO_HIT
+    assert bm.cached_prefix(prompt_seq(range(9), seq_id=2)) == NO_HIT
+    assert bm.cached_prefix(prompt_seq(range(9), seq_id=3, salt=b"image-a")).num_tokens == 8
 
 
 def test_prompt_logprobs_requests_skip_the_cache():
     bm = BlockManager(num_blocks=16, block_size=4)
     compute_all(bm, prompt_seq(range(9)))
-    assert bm.cached_prefix(prompt_seq(range(9), seq_id=1, prompt_logprobs=0)) == []
+    assert bm.cached_prefix(prompt_seq(range(9), seq_id=1, prompt_logprobs=0)) == NO_HIT
 
 
 def test_disabled_cache_never_shares():
     bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=False)
     compute_all(bm, prompt_seq(range(9)))
     assert bm.num_cached_blocks == 0
-    assert bm.cached_prefix(prompt_seq(range(9), seq_id=1)) == []
+    assert bm.cached_prefix(prompt_seq(range(9), seq_id=1)) == NO_HIT
 
 
 def test_freed_blocks_stay_cached_and_are_reused():
@@ -218,7 +219,7 @@ def test_freed_blocks_stay_cached_and_are_reused():
     assert bm.num_free_blocks == 8  # cached blocks count as available
     b = prompt_seq(list(range(8)) + [50, 51], seq_id=1)
     prefix = bm.cached_prefix(b)
-    assert prefix == table[:2]
+    assert prefix == PrefixHit(tuple(table[:2]), 8)  # a's tail holds token 8, b's next is 50
     assert bm.blocks_needed(b, 2, prefix) == 3  # 2 taken back out of the free pool + 1 new
     bm.use_prefix(b, prefix)
     assert bm.num_free_blocks == 6 and bm._refs[table[0]] == 1
@@ -254,8 +255,8 @@ def test_eviction_takes_never_used_then_least_recently_freed_blocks():
     filler = prompt_seq(range(100, 104), seq_id=2)  # 2 blocks: must evict
     bm.allocate(filler, 4)
     # `old` was freed first, tail first: its partial block, then its 2nd cached block go.
-    assert bm.cached_prefix(prompt_seq([1, 2, 3, 4, 5], seq_id=3)) == old_table[:1]
-    assert len(bm.cached_prefix(prompt_seq([7, 8, 9, 10, 11], seq_id=4))) == 2
+    assert bm.cached_prefix(prompt_seq([1, 2, 3, 4, 5], seq_id=3)) == PrefixHit(tuple(old_table[:1]), 2)
+    assert bm.cached_prefix(prompt_seq([7, 8, 9, 10, 11], seq_id=4)).num_tokens == 4
     assert bm.num_cached_blocks == 3
 
 
@@ -267,7 +268,7 @@ def test_a_cached_block_taken_for_new_tokens_loses_its_hash():
     b = prompt_seq([5, 6, 7, 8], seq_id=1)
     bm.allocate(b, 4)  # takes both blocks, evicting the cached one
     assert bm.num_cached_blocks == 0
-    assert bm.cached_prefix(prompt_seq([1, 2, 3], seq_id=2)) == []
+    assert bm.cached_prefix(prompt_seq([1, 2, 3], seq_id=2)) == NO_HIT
 
 
 def test_truncate_forgets_hashes_of_undone_blocks():
@@ -279,3 +280,84 @@ def test_truncate_forgets_hashes_of_undone_blocks():
     assert len(seq.block_hashes) == 1
     seq.token_ids.append(42)
     assert bm._block_hashes(seq, 2)[1] == chain_hash(seq.block_hashes[0], [4, 5, 6, 42])
+
+
+# --- token-granular tail ---------------------------------------------------------------
+
+
+def test_a_prompt_sent_again_recomputes_only_its_last_token():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = prompt_seq(range(10))  # blocks: 0-3, 4-7, then 8-9 in a partly filled block
+    compute_all(bm, a)
+    table = list(a.block_table)
+    bm.free(a)  # the partly filled block is filed under block 1's hash
+    b = prompt_seq(range(10), seq_id=1)
+    prefix = bm.cached_prefix(b)
+    assert prefix == PrefixHit(tuple(table), 9)
+    assert bm.blocks_needed(b, 1, prefix) == 3 + 1  # three out of the free pool, one for the copy
+    bm.use_prefix(b, prefix)
+    assert b.num_computed_tokens == 9 and b.num_cached_tokens == 9 and b.num_cached_blocks == 2
+    copies = bm.allocate(b, 1)
+    private = b.block_table[2]
+    assert copies == [(table[2], private)] and private != table[2]  # written into a copy, never in place
+    assert bm._refs[table[2]] == 0 and table[2] in bm._free  # the cached tail goes back, still findable
+    c = prompt_seq(range(10), seq_id=2)
+    assert bm.cached_prefix(c) == PrefixHit(tuple(table), 9)
+
+
+def test_a_full_block_serves_as_the_tail_of_a_shorter_prompt():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = prompt_seq(range(6))
+    compute_all(bm, a)
+    a.token_ids += [60, 61, 62]  # its answer: block 1 fills with 4, 5, 60, 61
+    a.num_computed_tokens = 8
+    bm.cache_computed_blocks(a)
+    table = tuple(a.block_table)
+    bm.free(a)
+    regenerate = prompt_seq(range(6), seq_id=1)  # the same prompt again: 4 is cached, 5 is fed
+    assert bm.cached_prefix(regenerate) == PrefixHit(table, 5)
+    next_turn = prompt_seq(list(range(6)) + [60, 7, 8], seq_id=2)  # diverges inside block 1's answer
+    assert bm.cached_prefix(next_turn).num_tokens == 7
+
+
+def test_the_tail_shares_the_longest_run_among_the_children():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    for seq_id, tokens in enumerate(([0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 9, 9])):
+        seq = prompt_seq(tokens, seq_id=seq_id)
+        compute_all(bm, seq)
+        bm.free(seq)
+    hit = bm.cached_prefix(prompt_seq([0, 1, 2, 3, 4, 9, 9, 7], seq_id=5))
+    assert hit.num_tokens == 7  # the second's tail (4, 9, 9), not the first's (4, 5)
+
+
+def test_salt_separates_tails_too():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = prompt_seq([1, 2, 3], salt=b"adapter-a")
+    compute_all(bm, a)
+    bm.free(a)
+    assert bm.cached_prefix(prompt_seq([1, 2, 3], seq_id=1)) == NO_HIT
+    assert bm.cached_prefix(prompt_seq([1, 2, 3], seq_id=2, salt=b"adapter-a")).num_tokens == 2
+
+
+def test_an_evicted_tail_is_no_longer_offered():
+    bm = BlockManager(num_blocks=2, block_size=4)
+    a = prompt_seq([1, 2, 3])
+    compute_all(bm, a)
+    bm.free(a)
+    filler = prompt_seq(range(100, 108), seq_id=1)
+    bm.allocate(filler, 8)  # takes both blocks, the filed tail among them
+    assert bm.cached_prefix(prompt_seq([1, 2, 3], seq_id=2)) == NO_HIT
+    assert bm._children == {}
+
+
+def test_a_sibling_writes_a_copy_of_a_block_its_freed_sibling_filed():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    parent = prompt_seq(range(6))
+    compute_all(bm, parent)
+    child = parent.fork(1, 1)
+    bm.fork(parent, child)
+    shared = parent.block_table[1]
+    bm.free(parent)  # files the shared, partly filled block as a tail
+    assert bm.cached_prefix(prompt_seq(range(6), seq_id=2)).num_tokens == 5
+    copies = bm.allocate(child, 1)
+    assert copies == [(shared, child.block_table[1])] and child.block_table[1] != shared
