@@ -59,6 +59,11 @@ class PrefixHit:
 
 NO_HIT = PrefixHit()
 
+# Children a parent offers as tails, the most recently filed: a lookup compares each with
+# the sequence's next tokens, and the root's children (every cached prompt's first block)
+# would otherwise make that a scan of the whole cache.
+MAX_TAIL_CANDIDATES = 32
+
 
 def _common_run(a: tuple[int, ...], b: list[int]) -> int:
     """Length of the run of equal tokens `a` and `b` start with."""
@@ -181,8 +186,11 @@ class BlockManager:
         return hashes[index - 1] if index else _root_key(seq.cache_salt)
 
     def _file_child(self, block: int, parent: bytes, tokens: list[int]) -> None:
-        self._children.setdefault(parent, {})[block] = tuple(tokens)
+        siblings = self._children.setdefault(parent, {})
+        siblings[block] = tuple(tokens)
         self._parent_of[block] = parent
+        if len(siblings) > MAX_TAIL_CANDIDATES:  # the oldest leaves the index (a full one stays cached)
+            self._unfile(next(iter(siblings)))
 
     def _unfile(self, block: int) -> None:
         parent = self._parent_of[block]

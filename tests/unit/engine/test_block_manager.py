@@ -7,7 +7,7 @@ import torch
 
 from workers.contract.sampling_params import SamplingParams
 from workers.core.sequence import Sequence
-from workers.engine.block_manager import NO_HIT, BlockManager, PrefixHit, chain_hash
+from workers.engine.block_manager import MAX_TAIL_CANDIDATES, NO_HIT, BlockManager, PrefixHit, chain_hash
 from workers.model.kv_cache import KVCacheShape, PagedKVCache
 
 
@@ -361,3 +361,16 @@ def test_a_sibling_writes_a_copy_of_a_block_its_freed_sibling_filed():
     assert bm.cached_prefix(prompt_seq(range(6), seq_id=2)).num_tokens == 5
     copies = bm.allocate(child, 1)
     assert copies == [(shared, child.block_table[1])] and child.block_table[1] != shared
+
+
+def test_a_parent_offers_only_its_most_recent_children_as_tails():
+    bm = BlockManager(num_blocks=4 * MAX_TAIL_CANDIDATES, block_size=4)
+    for seq_id in range(MAX_TAIL_CANDIDATES + 1):
+        seq = prompt_seq([seq_id, 1, 2, 3, 4], seq_id=seq_id)  # a distinct first block each
+        compute_all(bm, seq)
+        first = seq.block_table[0]
+        bm.free(seq)
+    assert len(bm._children[bm._parent_of[first]]) == MAX_TAIL_CANDIDATES  # the root's
+    assert bm.cached_prefix(prompt_seq([0, 1, 2, 3, 4], seq_id=100)).num_tokens == 4  # still by its hash
+    assert bm.cached_prefix(prompt_seq([0, 1, 2], seq_id=101)) == NO_HIT  # no longer as a tail
+    assert bm.cached_prefix(prompt_seq([1, 1, 2], seq_id=102)).num_tokens == 2
