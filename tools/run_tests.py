@@ -1,8 +1,7 @@
-"""`make test`: the suite as three pytest processes at once: two for the tests that start Ray
-clusters, servers and subprocesses (mostly waiting on them: tests/serve in one, the rest in
-the other, each with a Ray cluster of its own) and one for the in-process tests (one torch
-thread each: tests/conftest.py), so that both cores work; each one's output is printed
-whole when it ends, and the exit status fails if any part fails.
+"""`make test`: the suite as two pytest processes at once, one for the tests that start Ray
+clusters, servers and subprocesses (mostly waiting on them) and one for the in-process tests
+(one torch thread each: tests/conftest.py), so that both cores work; each one's output is
+printed whole when it ends, and the exit status fails if either part fails.
 
     python -m tools.run_tests [extra pytest arguments, given to both parts]
 """
@@ -21,11 +20,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PROCESS_TESTS = ("tests/serve", "tests/reliability", "tests/clients", "tests/e2e/test_default_model_e2e.py",
                  "tests/tools/test_bench_compare.py", "tests/tools/test_bench_gpu_service.py",
                  "tests/tools/test_servers.py", "tests/tools/test_cpu_share.py")
-# Of those, what runs as a pytest process of its own. Two clusters at once must not touch
-# each other's processes: kills go through the cluster's own actors (ray.kill), and the one
-# test that finds processes by title (ray::ShardActor, test_tensor_parallel_serve.py) is the
-# only one to start such processes.
-OWN_PROCESS = ("tests/serve",)
 
 
 def parts() -> dict[str, list[str]]:
@@ -40,9 +34,7 @@ def parts() -> dict[str, list[str]]:
                                  if f"{name}/{f.name}" not in PROCESS_TESTS)
         else:
             in_process.append(name)
-    rest = [path for path in PROCESS_TESTS if path not in OWN_PROCESS]
-    return {**{path.removeprefix("tests/"): [path] for path in OWN_PROCESS}, "processes": rest,
-            "in-process": in_process}
+    return {"processes": list(PROCESS_TESTS), "in-process": in_process}
 
 
 def main(argv: list[str]) -> int:
@@ -63,7 +55,7 @@ def main(argv: list[str]) -> int:
             log.close()
             if code:
                 failed.append(name)
-    print(f"===== all parts in {time.monotonic() - started:.0f} s; failed: {', '.join(failed) or 'none'}")
+    print(f"===== both parts in {time.monotonic() - started:.0f} s; failed: {', '.join(failed) or 'none'}")
     return 1 if failed else 0
 
 
