@@ -7,7 +7,13 @@ import torch
 
 from workers.contract.sampling_params import SamplingParams
 from workers.core.sequence import Sequence
-from workers.engine.block_manager import MAX_TAIL_CANDIDATES, NO_HIT, BlockManager, PrefixHit, chain_hash
+from workers.engine.block_manager import (
+    MAX_TAIL_CANDIDATES,
+    NO_HIT,
+    BlockManager,
+    PrefixHit,
+    chain_hash,
+)
 from workers.model.kv_cache import KVCacheShape, PagedKVCache
 
 
