@@ -53,9 +53,6 @@ class PrefixHit:
     blocks: tuple[int, ...] = ()
     num_tokens: int = 0
 
-    def __bool__(self) -> bool:
-        return bool(self.blocks)
-
 
 NO_HIT = PrefixHit()
 
@@ -119,8 +116,8 @@ class BlockManager:
         hashes = self._block_hashes(seq, wanted // self.block_size)
         blocks = self.cached_blocks(hashes)
         start = len(blocks) * self.block_size
-        parent = hashes[len(blocks) - 1] if blocks else _root_key(seq.cache_salt)
-        tail, run = self._longest_child(parent, seq.token_ids[start:min(start + self.block_size, wanted)])
+        next_tokens = seq.token_ids[start:min(start + self.block_size, wanted)]
+        tail, run = self._longest_child(_parent_key(hashes, len(blocks), seq.cache_salt), next_tokens)
         if run:
             blocks.append(tail)
         return PrefixHit(tuple(blocks), start + run)
@@ -165,7 +162,7 @@ class BlockManager:
             if h not in self._cached and self._hash_of[block] is None:
                 self._cached[h] = block
                 self._hash_of[block] = h
-                self._file_child(block, self._parent_key(seq, hashes, index), seq.token_ids[index * bs:(index + 1) * bs])
+                self._file_child(block, _parent_key(hashes, index, seq.cache_salt), seq.token_ids[index * bs:(index + 1) * bs])
         seq.num_cached_blocks = full
 
     def _cache_tail(self, seq: Sequence) -> None:
@@ -180,10 +177,7 @@ class BlockManager:
         block = seq.block_table[index]
         if self._hash_of[block] is None and self._parent_of[block] is None:
             hashes = self._block_hashes(seq, index)
-            self._file_child(block, self._parent_key(seq, hashes, index), seq.token_ids[index * self.block_size:known])
-
-    def _parent_key(self, seq: Sequence, hashes: list[bytes], index: int) -> bytes:
-        return hashes[index - 1] if index else _root_key(seq.cache_salt)
+            self._file_child(block, _parent_key(hashes, index, seq.cache_salt), seq.token_ids[index * self.block_size:known])
 
     def _file_child(self, block: int, parent: bytes, tokens: list[int]) -> None:
         siblings = self._children.setdefault(parent, {})
@@ -220,14 +214,17 @@ class BlockManager:
             blocks.append(block)
         return blocks
 
-    def cache_blocks(self, hashes: list[bytes]) -> list[tuple[int, int]]:
-        """Free blocks registered under those of `hashes` not cached yet, for K/V arriving from
-        another replica: (index in `hashes`, block) for the caller to fill. They go back to the
-        free pool as the most recently freed, findable like any cached block. Stops where the
-        pool would have to evict a block taken here."""
+    def cache_blocks(self, token_ids: list[int], salt: bytes, first: int, count: int) -> list[tuple[int, int]]:
+        """Free blocks registered under the chain hashes of full blocks `first` to `first +
+        count` of `token_ids` (salted), those not cached yet, for K/V arriving from another
+        replica: (index from `first`, block) for the caller to fill. They go back to the free
+        pool as the most recently freed, findable like any cached block (tails included).
+        Stops where the pool would have to evict a block taken here."""
+        hashes, bs = self.prefix_hashes(token_ids, salt), self.block_size
         taken = []
         room = len(self._free)
-        for index, h in enumerate(hashes):
+        for index in range(first, min(first + count, len(hashes))):
+            h = hashes[index]
             if h in self._cached:
                 continue
             if len(taken) == room:
@@ -235,7 +232,8 @@ class BlockManager:
             block = self._take()
             self._cached[h] = block
             self._hash_of[block] = h
-            taken.append((index, block))
+            self._file_child(block, _parent_key(hashes, index, salt), token_ids[index * bs:(index + 1) * bs])
+            taken.append((index - first, block))
         for _, block in taken:
             self._release(block)
         return taken
@@ -259,8 +257,8 @@ class BlockManager:
         needed = max(0, -(-(computed + num_new_tokens) // self.block_size) - have)
         # A cached block nobody references sits in the free pool: reusing it takes it out.
         idle_prefix = sum(1 for block in prefix.blocks if self._refs[block] == 0)
-        tail_copy = num_new_tokens > 0 and prefix.num_tokens % self.block_size != 0
-        return needed + idle_prefix + int(tail_copy or self._needs_copy(seq, num_new_tokens))
+        copy = self._needs_copy([*seq.block_table, *prefix.blocks], computed, num_new_tokens)
+        return needed + idle_prefix + int(copy)
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix: PrefixHit = NO_HIT) -> bool:
         return self.blocks_needed(seq, num_new_tokens, prefix) <= len(self._free)
@@ -271,7 +269,7 @@ class BlockManager:
         if needed > len(self._free):
             raise RuntimeError(f"KV cache out of blocks: need {needed}, have {len(self._free)}")
         copies = []
-        if self._needs_copy(seq, num_new_tokens):
+        if self._needs_copy(seq.block_table, seq.num_computed_tokens, num_new_tokens):
             index = seq.num_computed_tokens // self.block_size
             shared = seq.block_table[index]
             private = self._take()
@@ -302,15 +300,15 @@ class BlockManager:
     def max_tokens_capacity(self) -> int:
         return self.num_blocks * self.block_size
 
-    def _needs_copy(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """The first write lands in an existing block that another sequence also holds, or
-        that the prefix cache holds (a tail taken from it)."""
+    def _needs_copy(self, table: list[int], computed: int, num_new_tokens: int) -> bool:
+        """The first write after `computed` tokens of block `table` lands in an existing block
+        that another sequence also holds, or that the prefix cache holds (a tail taken from it)."""
         if num_new_tokens <= 0:
             return False
-        index = seq.num_computed_tokens // self.block_size
-        if index >= len(seq.block_table):
+        index = computed // self.block_size
+        if index >= len(table):
             return False
-        block = seq.block_table[index]
+        block = table[index]
         return self._refs[block] > 1 or self._parent_of[block] is not None or self._hash_of[block] is not None
 
     def _take(self) -> int:
@@ -332,6 +330,11 @@ class BlockManager:
 def _root_key(salt: bytes) -> bytes:
     """The parent key of a salt's first blocks (chain hashes are 16 bytes; this is longer)."""
     return b"root:" + salt + b"\x00" * 16
+
+
+def _parent_key(hashes: list[bytes], index: int, salt: bytes) -> bytes:
+    """The key full block `index` (of a chain with these hashes) is filed under."""
+    return hashes[index - 1] if index else _root_key(salt)
 
 
 def _needs_every_prompt_logit(seq: Sequence) -> bool:

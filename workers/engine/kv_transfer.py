@@ -82,10 +82,9 @@ def import_blocks(blocks: BlockManager, cache: PagedKVCache, payload: KVBlocks, 
     if (payload.keys.shape[0], *payload.keys.shape[2:]) != expected or \
             payload.dtype != str(cache.keys.dtype).removeprefix("torch."):
         return 0
-    hashes = blocks.prefix_hashes(payload.token_ids, salt)
     if held_blocks(blocks, payload.token_ids[:payload.first_block * blocks.block_size], salt) < payload.first_block:
         return 0  # the blocks before the payload's are gone: its own would hang from nothing
-    taken = blocks.cache_blocks(hashes[payload.first_block:payload.first_block + payload.keys.shape[1]])
+    taken = blocks.cache_blocks(payload.token_ids, salt, payload.first_block, payload.keys.shape[1])
     if not taken:
         return 0
     device = cache.keys.device

@@ -380,3 +380,13 @@ def test_a_parent_offers_only_its_most_recent_children_as_tails():
     assert bm.cached_prefix(prompt_seq([0, 1, 2, 3, 4], seq_id=100)).num_tokens == 4  # still by its hash
     assert bm.cached_prefix(prompt_seq([0, 1, 2], seq_id=101)) == NO_HIT  # no longer as a tail
     assert bm.cached_prefix(prompt_seq([1, 1, 2], seq_id=102)).num_tokens == 2
+
+
+def test_blocks_arriving_from_another_replica_serve_as_tails_too():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    ids = list(range(100, 109))  # 2 full blocks and one token
+    taken = bm.cache_blocks(ids, b"", 0, 2)
+    assert [index for index, _ in taken] == [0, 1]
+    assert bm.cache_blocks(ids, b"", 1, 1) == []  # already cached
+    shorter = prompt_seq(ids[:7], seq_id=1)  # block 0 by its hash, 3 tokens of block 1 as a tail
+    assert bm.cached_prefix(shorter) == PrefixHit(tuple(block for _, block in taken), 6)
