@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from serve_app.output.call_deltas import CallDelta
-from serve_app.output.reasoning import REASONING_PARSERS, DeepSeekR1ReasoningParser
+from serve_app.output.reasoning_parsers import REASONING_PARSERS, ReasoningParser
 from serve_app.output.tool_parsers import PARSERS, ToolParser
 from serve_app.schema.tools import Tool, ToolUse
 from workers.contract.chunks import GenerationChunk
@@ -37,7 +37,7 @@ class OutputParsing:
 
     tools: tuple[Tool, ...] = ()
     tool_parser: type[ToolParser] | None = None
-    reasoning_parser: type[DeepSeekR1ReasoningParser] | None = None
+    reasoning_parser: type[ReasoningParser] | None = None
     forced_calls: bool = False  # tool_choice required or named: the grammar makes the output calls
 
     @classmethod
@@ -63,7 +63,7 @@ class OutputParsing:
 
 
 class ChoiceParser:
-    def __init__(self, reasoning: DeepSeekR1ReasoningParser | None, tools: ToolParser | None) -> None:
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None) -> None:
         self._reasoning = reasoning
         self._tools = tools
 

@@ -36,6 +36,7 @@ class ReasoningOutput:
 
 class DeepSeekR1ReasoningParser:
     START, END = "<think>", "</think>"
+    special_tags = False  # the tags are read from text decoded as the request asks
 
     def __init__(self, reasoning_open: bool = False) -> None:
         self._state = "reasoning" if reasoning_open else "start"  # start -> reasoning -> content
@@ -108,5 +109,3 @@ class Qwen3ReasoningParser(DeepSeekR1ReasoningParser):
             text, self._buffer = head[len(self.START):] if head.startswith(self.START) else self._buffer, ""
         return super()._push(text)
 
-
-REASONING_PARSERS = {"deepseek_r1": DeepSeekR1ReasoningParser, "qwen3": Qwen3ReasoningParser}

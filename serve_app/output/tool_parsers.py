@@ -10,8 +10,9 @@ the model config's `tool_call_parser` to its class.
   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, repeatable, text around it.
 - `llama3_json` (Llama 3.1+): the whole answer is `{"name": ..., "parameters": {...}}`,
   optionally after `<|python_tag|>`; several calls are separated by `;`.
-- `mistral`, `pythonic` (Llama 3.2/4), `qwen3_coder`, `deepseek_v3`: their own modules
-  (serve_app/output/mistral_calls.py, pythonic_calls.py, xml_calls.py, deepseek_calls.py);
+- `mistral`, `pythonic` (Llama 3.2/4), `qwen3_coder`, `deepseek_v3`, `openai` (gpt-oss's
+  harmony): their own modules (serve_app/output/mistral_calls.py, pythonic_calls.py,
+  xml_calls.py, deepseek_calls.py, harmony.py);
   what formats share is in serve_app/output/tool_parser_base.py.
 
 Streaming: text that may still become a call (a prefix of the opening tag) is held back; a
@@ -31,6 +32,7 @@ from typing import Any
 from serve_app.output.call_deltas import CallDelta, ParsedCall
 from serve_app.output.call_reader import CallReader, call_from, new_call_id
 from serve_app.output.deepseek_calls import DeepSeekV3ToolParser
+from serve_app.output.harmony import HarmonyToolParser
 from serve_app.output.mistral_calls import MistralToolParser
 from serve_app.output.pythonic_calls import PythonicToolParser
 from serve_app.output.tags import held_prefix
@@ -46,7 +48,7 @@ from serve_app.output.xml_calls import Qwen3CoderToolParser
 from serve_app.schema.tools import NamedToolChoice, Tool
 from workers.contract.requests import ToolPrompt
 
-__all__ = ["PARSERS", "CallDelta", "DeepSeekV3ToolParser", "HermesToolParser", "Llama3JsonToolParser",
+__all__ = ["PARSERS", "CallDelta", "DeepSeekV3ToolParser", "HarmonyToolParser", "HermesToolParser", "Llama3JsonToolParser",
            "MistralToolParser", "ParsedCall", "PythonicToolParser", "Qwen3CoderToolParser", "ToolOutput", "ToolParser",
            "forced_functions"]
 
@@ -279,4 +281,4 @@ class Llama3JsonToolParser(ToolParser):
 
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (
     HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser, Qwen3CoderToolParser,
-    DeepSeekV3ToolParser)}
+    DeepSeekV3ToolParser, HarmonyToolParser)}

@@ -387,19 +387,23 @@ class ModelConfig(_Strict):
     max_image_pixels: int = Field(
         4096 * 4096, ge=1, description="vision models: a larger image (width x height, read from its header) is a 400"
     )
-    tool_call_parser: Literal["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "deepseek_v3"] = Field(
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "deepseek_v3", "openai"] = Field(
         "hermes", description="the format the model writes tool calls in (serve_app/output/tool_parsers.py): hermes "
         "(`<tool_call>{json}</tool_call>`: Qwen 2.5/3, Hermes), llama3_json (a JSON answer: Llama 3.1+), mistral "
         "(`[TOOL_CALLS]`), pythonic (`[f(x=1)]`: Llama 3.2/4), qwen3_coder (`<function=...>` XML), deepseek_v3 "
-        "(DeepSeek's call tokens). mistral's and deepseek_v3's tags are special tokens in their models' tokenizers, "
-        "read only from output decoded with `skip_special_tokens: false`")
+        "(DeepSeek's call tokens), openai (gpt-oss's harmony messages `to=functions.NAME`). mistral's, deepseek_v3's "
+        "and openai's tags are special tokens in their models' tokenizers, read only from output decoded with "
+        "`skip_special_tokens: false` (what the ingress asks with tools in play)")
     default_max_tokens: int | None = Field(
         DEFAULT_MAX_TOKENS, ge=1, description="the output cap of a request that names none (`max_tokens`, "
         "`max_completion_tokens`; MindIE's maxIterTimes); the context window stays the hard limit; null: the rest "
         "of the window")
-    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
-        None, description="split `<think>...</think>` into reasoning_content on /v1 (serve_app/output/reasoning.py): "
-        "deepseek_r1, or qwen3 (the same tags; a `<think>` repeated after the template opened one is dropped)")
+    reasoning_parser: Literal["deepseek_r1", "qwen3", "openai_gptoss"] | None = Field(
+        None, description="split the reasoning into reasoning_content on /v1: `<think>...</think>` "
+        "(serve_app/output/reasoning.py): deepseek_r1, or qwen3 (the same tags; a `<think>` repeated after the "
+        "template opened one is dropped); or gpt-oss's harmony analysis channel, openai_gptoss "
+        "(serve_app/output/harmony.py; its answer is the final channel, its calls are read by "
+        "`tool_call_parser: openai`)")
     pooler_config: PoolerConfig = Field(
         PoolerConfig(), description="/v1/embeddings: how the model's final hidden states pool into one vector")
     lora: LoraConfig | None = Field(

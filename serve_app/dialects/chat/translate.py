@@ -7,7 +7,7 @@ import uuid
 
 from serve_app.dialects.chat.request import ChatCompletionRequest
 from serve_app.http.errors import APIError
-from serve_app.output.reasoning import REASONING_PARSERS
+from serve_app.output.reasoning_parsers import REASONING_PARSERS
 from serve_app.output.tool_parsers import PARSERS, HermesToolParser, ToolParser
 from serve_app.schema.common import openai_sampling_kwargs, or_default
 from workers.contract.grammar import grammar_error
@@ -38,6 +38,8 @@ def to_generate_request(req: ChatCompletionRequest, request_id: str,
     if tools and parser.special_tags:  # as vLLM does: the calls' tags are special tokens
         params = dataclasses.replace(params, skip_special_tokens=False)
     reasoning = REASONING_PARSERS[model.reasoning_parser] if model is not None and model.reasoning_parser else None
+    if reasoning is not None and reasoning.special_tags:  # harmony's channels are special tokens
+        params = dataclasses.replace(params, skip_special_tokens=False)
     if req.thinking_token_budget is not None and reasoning is not None:
         params = dataclasses.replace(params, thinking_budget=ThinkingBudget(req.thinking_token_budget, reasoning.START,
                                                                             reasoning.END))
