@@ -91,6 +91,7 @@ from serve_app.transport.worker_call import (
 from workers.contract.chunks import ErrorInfo
 from workers.contract.requests import GenerateRequest
 from workers.contract.sampling_params import SamplingParams
+from workers.contract.tokenize import TokenizeRequest, TokenizeResult
 from workers.contract.worker_info import ModelInfo
 
 logger = logging.getLogger("chatserve.ingress")
@@ -263,10 +264,10 @@ class ChatIngress(HandleAPI):
     @api.post("/tokenize")
     async def tokenize(self, request: Request) -> Response:
         """vLLM's route (serve_app/dialects/tokenization.py), answered by the model's worker."""
-        req = await self._parse_admin(request, tokenization.TokenizeBody)
+        req = await self._parse_admin(request, tokenization.TokenizeBody, traced=True)
         target = await self._target(req.model)
         worker_req = tokenization.to_tokenize_request(req, self.config.model(target.base_model))
-        result = await self.workers[target.base_model].tokenize.remote(worker_req)
+        result = await self._tokenize(target.base_model, worker_req, req.model)
         if isinstance(result, ErrorInfo):
             raise APIError.from_info(result)
         return Response(tokenization.tokenize_response(result).dump_json(), media_type="application/json")
@@ -298,12 +299,12 @@ class ChatIngress(HandleAPI):
     async def count_tokens(self, request: Request) -> Response:
         """Anthropic's route: the prompt tokens a Messages request would take (system, messages
         and tools, as generation templates them), counted by the model's tokenizer."""
-        req = await self._parse_admin(request, CountTokensRequest)
+        req = await self._parse_admin(request, CountTokensRequest, traced=True)
         target = await self._target(req.model)
         with MESSAGES.errors():
             body = parse_request(tokenization.TokenizeBody, count_tokens_fields(req))
             worker_req = tokenization.to_tokenize_request(body, self.config.model(target.base_model))
-        result = await self.workers[target.base_model].tokenize.remote(worker_req)
+        result = await self._tokenize(target.base_model, worker_req, req.model)
         if isinstance(result, ErrorInfo):
             raise APIError.from_info(result, MESSAGES.param_names)
         return Response(TokenCount(input_tokens=len(result.tokens)).dump_json(), media_type="application/json")
@@ -348,12 +349,34 @@ class ChatIngress(HandleAPI):
             record.model = self.metrics.model_label(target.base_model)
         return target
 
-    async def _parse_admin(self, request: Request, model_cls: type) -> Any:
+    async def _parse_admin(self, request: Request, model_cls: type, traced: bool = False) -> Any:
         """API key, then the body: the adapter and tokenizer routes' request model or an
-        APIError (no metrics record: they generate nothing)."""
+        APIError. No metrics: they generate nothing; `traced` routes (the tokenizer's) get
+        their spans when tracing is configured, on a record kept out of the metrics, which
+        `_tokenize` or the error handlers finish."""
+        if traced and self.tracing is not None:
+            record = self.metrics.begin(_route_path(request), counted=False)
+            record.trace = self.tracing.begin(record, request.method, request.headers)
         self.auth.check(request.headers)
         data = await read_json_body(request, self.config.server.max_request_bytes)
         return parse_request(model_cls, data)
+
+    async def _tokenize(self, model: str, worker_req: TokenizeRequest, requested: str) -> TokenizeResult | ErrorInfo:
+        """The model's worker tokenizes; a traced request's parse span ends at the call, and
+        its record finishes with the count (an error: by the handler of the APIError raised)."""
+        record = current_record()
+        if record is not None and record.trace is not None:
+            record.trace.calling_worker(requested)
+        try:
+            result = await self.workers[model].tokenize.remote(worker_req)
+        except asyncio.CancelledError:
+            if record is not None:
+                record.finish(STATUS_CLIENT_GONE)
+            raise
+        if record is not None and not isinstance(result, ErrorInfo):
+            record.prompt_tokens = len(result.tokens)
+            record.finish(200)
+        return result
 
     async def _generate(self, request: Request, dialect: Dialect) -> Response:
         """Every dialect's route: the body parsed, the worker request prepared (`_prepare`),

@@ -130,9 +130,10 @@ class IngressMetrics:
 
     # -- requests -------------------------------------------------------------------
 
-    def begin(self, route: str) -> RequestRecord:
-        """Start the record of a request and make it this task's current one."""
-        record = RequestRecord(self, route)
+    def begin(self, route: str, counted: bool = True) -> RequestRecord:
+        """Start the record of a request and make it this task's current one; one not
+        `counted` (a tokenizer route's, kept only for its spans) is neither observed nor logged."""
+        record = RequestRecord(self, route, counted)
         _current.set(record)
         return record
 
@@ -235,11 +236,12 @@ class RequestRecord:
 
     __slots__ = ("metrics", "route", "model", "request_id", "stream", "start", "status", "ttft_ms",
                  "decode_sum_ms", "decode_count", "queue_ms", "prompt_tokens", "completion_tokens", "error_type",
-                 "error_message", "finish_reasons", "e2e_s", "finished", "trace")
+                 "error_message", "finish_reasons", "e2e_s", "finished", "trace", "counted")
 
-    def __init__(self, metrics: IngressMetrics, route: str) -> None:
+    def __init__(self, metrics: IngressMetrics, route: str, counted: bool = True) -> None:
         self.metrics = metrics
         self.route = route
+        self.counted = counted
         self.model = ""
         self.request_id: str | None = None
         self.stream = False
@@ -297,8 +299,9 @@ class RequestRecord:
         self.status = status
         self.e2e_s = time.perf_counter() - self.start
         try:
-            self.metrics.observe(self)
-            if request_logger.isEnabledFor(logging.INFO):
+            if self.counted:
+                self.metrics.observe(self)
+            if self.counted and request_logger.isEnabledFor(logging.INFO):
                 request_logger.info(self.log_line())
         except Exception:  # metrics must never fail a request
             logger.exception("recording request metrics failed")

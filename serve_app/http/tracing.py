@@ -1,7 +1,9 @@
 """The ingress's OpenTelemetry spans of a request, when `server.tracing` is configured.
 
-One SERVER span per request of a generating route (serve_app/dialects/table.py) or of
-`/v1/embeddings`, named `POST <route>`, its parent the client's W3C `traceparent` when the
+One SERVER span per request of a generating route (serve_app/dialects/table.py), of
+`/v1/embeddings` or of a tokenizer route (`/tokenize`, `/v1/messages/count_tokens`: a
+server span and its parse span only, their count as `gen_ai.usage.input_tokens`), named
+`POST <route>`, its parent the client's W3C `traceparent` when the
 request sends one (else a new trace, sampled at `sample_ratio`). Its children:
 
 - `chatserve.parse`: the body read and validated, the model resolved, the translation to
@@ -39,8 +41,10 @@ if TYPE_CHECKING:
 
     from serve_app.http.metrics import RequestRecord
 
-# What `gen_ai.operation.name` a route is (OpenTelemetry's GenAI conventions); others are chat.
-_OPERATIONS = {"/v1/completions": "text_completion", "/v1/embeddings": "embeddings"}
+# What `gen_ai.operation.name` a route is (OpenTelemetry's GenAI conventions); others are
+# chat. The tokenizer routes run no model operation: they get none.
+_OPERATIONS = {"/v1/completions": "text_completion", "/v1/embeddings": "embeddings", "/tokenize": None,
+               "/v1/messages/count_tokens": None}
 
 
 class IngressTracing:
@@ -61,9 +65,11 @@ class IngressTracing:
         from opentelemetry.trace import SpanKind, set_span_in_context
 
         route = record.route
+        attributes = {"http.request.method": method, "http.route": route}
+        if (operation := _OPERATIONS.get(route, "chat")) is not None:
+            attributes["gen_ai.operation.name"] = operation
         server = self.tracer.start_span(f"{method} {route}", context=extract_context(headers), kind=SpanKind.SERVER,
-                                        attributes={"http.request.method": method, "http.route": route,
-                                                    "gen_ai.operation.name": _OPERATIONS.get(route, "chat")})
+                                        attributes=attributes)
         parse = self.tracer.start_span("chatserve.parse", context=set_span_in_context(server))
         return RequestTrace(self.tracer, server, parse)
 

@@ -120,6 +120,21 @@ def test_an_embeddings_request_is_traced_on_both_sides(traced_app):
     assert attributes["http.response.status_code"].int_value == 200
 
 
+def test_a_tokenize_request_is_traced_at_the_ingress(traced_app):
+    """/tokenize through Serve: the server span in the client's trace, the count as its input tokens."""
+    trace_id, span_id = 0x2E3D4C5B6A7988991F2E3D4C5B6A7988, 0x0123456789ABCDEF
+    reply = httpx.post(traced_app + "/tokenize", json={"model": TINY_MODEL_ID, "prompt": "Hi there"},
+                       headers={"traceparent": f"00-{trace_id:032x}-{span_id:016x}-01"}, timeout=60)
+    assert reply.status_code == 200
+    ours = spans_of(trace_id, {"POST /tokenize", "chatserve.parse"})
+    server = ours["POST /tokenize"]
+    assert int.from_bytes(server.parent_span_id, "big") == span_id
+    assert ours["chatserve.parse"].parent_span_id == server.span_id
+    attributes = {a.key: a.value for a in server.attributes}
+    assert attributes["gen_ai.usage.input_tokens"].int_value == reply.json()["count"] > 0
+    assert "gen_ai.operation.name" not in attributes
+
+
 def test_a_handle_call_is_traced_under_the_callers_traceparent(traced_app):
     """The handle API from this driver (no HTTP): `trace_headers` carries the caller's
     `traceparent`; the ingress's spans (`CALL handle:chat`) and the worker's join its trace."""

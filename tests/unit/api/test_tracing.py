@@ -2,7 +2,8 @@
 ingress's own `_parse` and `_generate` on a fake worker deployment. The client's
 `traceparent` is the server span's parent; the parse and stream spans are its children;
 the worker request carries the server span's context, and the worker's spans (the
-request processor on the tiny model) land under it in the same trace. Without the config,
+request processor on the tiny model) land under it in the same trace. The tokenizer routes
+get a server and a parse span, and stay out of the request metrics. Without the config,
 no tracer or span exists and the worker request carries nothing."""
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ from workers.serving.request_trace import WorkerTracing
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Ray's pydantic models
 
-_METHODS = ("_parse", "_generate", "_prepare", "_target", "_worker", "_check_token_ids", "_with_images", "_info")
+_METHODS = ("_parse", "_generate", "_prepare", "_target", "_worker", "_check_token_ids", "_with_images", "_info",
+            "_parse_admin", "_tokenize", "tokenize", "count_tokens")
 IngressState = type("IngressState", (), {name: getattr(ChatIngress.func_or_class, name) for name in _METHODS})
 
 WORKER_OUTPUT = [
@@ -240,3 +242,79 @@ def test_without_the_config_no_tracer_or_span_is_created_and_nothing_is_propagat
 def test_a_configured_endpoint_gives_the_ingress_a_tracer():
     tracing = IngressTracing.from_config(TracingConfig(otlp_traces_endpoint="http://127.0.0.1:9/v1/traces"))
     assert tracing is not None and tracing.tracer is not None
+
+
+class FakeTokenizerWorker:
+    """Just the worker deployment's `tokenize.remote`, answering `result`."""
+
+    def __init__(self, result) -> None:
+        self.result = result
+        self.tokenize = self
+
+    async def remote(self, request):
+        return self.result
+
+
+def tokenizer_route(state, path: str, body: dict, headers: dict[str, str] | None = None) -> int:
+    """One request to /tokenize or count_tokens, an APIError answered by the ingress's handler."""
+    handler = state.tokenize if path == "/tokenize" else state.count_tokens
+    request = http_request(path, body, headers)
+
+    async def run() -> int:
+        try:
+            return (await handler(request)).status_code
+        except APIError as exc:
+            return (await ingress_module._api_error(request, exc)).status_code
+
+    return contextvars.Context().run(asyncio.run, run())
+
+
+TOKENIZER_REQUESTS = [
+    ("/tokenize", {"model": "base", "prompt": "Hi there"}),
+    ("/v1/messages/count_tokens", {"model": "base", "messages": [{"role": "user", "content": "Hi there"}]}),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), TOKENIZER_REQUESTS, ids=["tokenize", "count_tokens"])
+def test_a_tokenizer_route_gets_a_server_and_a_parse_span_and_no_metrics(path, body):
+    from workers.contract.tokenize import TokenizeResult
+
+    memory = MemoryTracing()
+    state = ingress(IngressTracing(memory.tracer("chatserve.ingress")))
+    state.workers = {"base": FakeTokenizerWorker(TokenizeResult(tokens=[5, 6, 7], max_model_len=256))}
+    assert tokenizer_route(state, path, body, {"traceparent": TRACEPARENT}) == 200
+    spans = memory.spans()
+    assert set(spans) == {f"POST {path}", "chatserve.parse"}
+    server, parse = spans[f"POST {path}"], spans["chatserve.parse"]
+    assert (server.context.trace_id, server.parent.span_id) == (CLIENT_TRACE_ID, CLIENT_SPAN_ID)
+    assert parse.parent.span_id == server.context.span_id and parse.end_time <= server.end_time
+    assert dict(server.attributes) == {
+        "http.request.method": "POST", "http.route": path, "gen_ai.request.model": "base",
+        "http.response.status_code": 200, "gen_ai.usage.input_tokens": 3, "gen_ai.usage.output_tokens": 0}
+    assert "chatserve_requests_total{" not in state.metrics.exposition().decode()  # generation requests only
+
+
+@pytest.mark.parametrize(("path", "body"), TOKENIZER_REQUESTS, ids=["tokenize", "count_tokens"])
+def test_a_refused_or_failed_tokenizer_request_ends_its_spans_with_the_status(path, body):
+    from workers.contract.chunks import ErrorInfo
+
+    memory = MemoryTracing()
+    state = ingress(IngressTracing(memory.tracer("chatserve.ingress")))
+    state.workers = {"base": FakeTokenizerWorker(ErrorInfo(500, "tokenizer failed", type="internal_error"))}
+    assert tokenizer_route(state, path, {**body, "model": "nope"}) == 404
+    assert tokenizer_route(state, path, body) == 500
+    assert memory.provider.force_flush()
+    refused, failed = sorted((s for s in memory.exporter.get_finished_spans() if s.name == f"POST {path}"),
+                             key=lambda s: s.start_time)
+    assert refused.attributes["http.response.status_code"] == 404 and refused.status.status_code is StatusCode.UNSET
+    assert failed.attributes["http.response.status_code"] == 500 and failed.status.status_code is StatusCode.ERROR
+
+
+def test_without_the_config_a_tokenizer_route_makes_no_record():
+    from workers.contract.tokenize import TokenizeResult
+
+    state = ingress(None)
+    state.workers = {"base": FakeTokenizerWorker(TokenizeResult(tokens=[5], max_model_len=256))}
+    with otel_objects_created() as created:
+        assert tokenizer_route(state, *TOKENIZER_REQUESTS[0]) == 200
+    assert created == []
