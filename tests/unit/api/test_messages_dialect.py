@@ -229,6 +229,19 @@ def test_thinking_text_and_calls_are_blocks_in_order():
                              "cache_creation_input_tokens": 0, "cache_read_input_tokens": 4}
 
 
+def test_gpt_oss_harmony_gives_a_thinking_block_a_text_preamble_and_a_tool_use():
+    harmony = ("<|channel|>analysis<|message|>Add them.<|end|><|start|>assistant<|channel|>commentary<|message|>"
+               "Sure.<|end|><|start|>assistant<|channel|>commentary to=functions.add <|constrain|>json<|message|>"
+               '{"a": 1}<|call|>')
+    model = ModelConfig(id="m", reasoning_parser="openai_gptoss", tool_call_parser="openai")
+    body = whole(request(tools=[ADD]), chunks_of(harmony, 4), model)
+    thinking, text, call = body["content"]
+    assert thinking == {"type": "thinking", "thinking": "Add them.", "signature": ""}
+    assert text == {"type": "text", "text": "Sure."}
+    assert (call["type"], call["name"], call["input"]) == ("tool_use", "add", {"a": 1})
+    assert body["stop_reason"] == "tool_use"
+
+
 def test_stream_events_are_typed_ordered_and_assemble_to_the_whole_message():
     model = ModelConfig(id="m", reasoning_parser="deepseek_r1")
     req = request(tools=[ADD], stream=True)

@@ -172,6 +172,17 @@ def test_reasoning_text_and_calls_are_items_in_order():
     assert 0 < usage["output_tokens_details"]["reasoning_tokens"] < usage["output_tokens"]
 
 
+def test_gpt_oss_harmony_gives_a_reasoning_item_and_the_final_answer():
+    harmony = ("<|channel|>analysis<|message|>Say hi.<|end|><|start|>assistant<|channel|>final<|message|>"
+               "Hello!<|return|>")
+    body = whole(request(), chunks_of(harmony, 4), ModelConfig(id="m", reasoning_parser="openai_gptoss"))
+    SDKResponse.model_validate(body)
+    reasoning, message = body["output"]
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "Say hi."}]
+    assert message["content"][0]["text"] == "Hello!"
+    assert 0 < body["usage"]["output_tokens_details"]["reasoning_tokens"] < body["usage"]["output_tokens"]
+
+
 def test_stream_events_are_typed_ordered_and_assemble_to_the_whole_response():
     model = ModelConfig(id="m", reasoning_parser="deepseek_r1")
     req = request(tools=[ADD], stream=True)
