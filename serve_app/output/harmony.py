@@ -98,6 +98,11 @@ class HarmonySplitter:
         self._buffer = ""
         self._header_text = ""
 
+    @property
+    def in_header(self) -> bool:
+        """Whether a header is being read (its message's kind not yet known)."""
+        return self._state == "header"
+
     def push(self, text: str) -> list[Event]:
         self._buffer += text
         events: list[Event] = []
@@ -206,7 +211,7 @@ class GptOssReasoningParser:
     def _count(self, touched: bool, num_tokens: int) -> None:
         """A chunk's tokens are reasoning when any part of it was the analysis message (its
         header's tokens wait until the header is decided)."""
-        if self._split._state == "header" and not touched:
+        if self._split.in_header and not touched:
             self._pending_tokens += num_tokens
             return
         tokens, self._pending_tokens = self._pending_tokens + num_tokens, 0
