@@ -124,16 +124,11 @@ class HarmonySplitter:
         return events
 
     def _outside(self, events: list[Event]) -> bool:
-        at, tag = _first(self._buffer, _HEADER_OPENS)
+        tag = self._emit_until(events, "text", _HEADER_OPENS)
         if tag is None:
-            keep = _held(self._buffer, _HEADER_OPENS)
-            self._emit(events, "text", self._buffer[: len(self._buffer) - keep])
-            self._buffer = self._buffer[len(self._buffer) - keep:]
             return False
-        self._emit(events, "text", self._buffer[:at])
-        # `<|start|>` opens a header that names the role first; `<|channel|>` stays in it
-        self._header_text = "" if tag == START else CHANNEL
-        self._buffer, self._state = self._buffer[at + len(tag):], "header"
+        # the opening tag stays in the header's text: the text again if it is no header
+        self._header_text, self._buffer, self._state = tag, self._buffer[len(tag):], "header"
         return True
 
     def _header(self, events: list[Event]) -> bool:
@@ -152,16 +147,21 @@ class HarmonySplitter:
         return True
 
     def _body(self, events: list[Event]) -> bool:
-        at, tag = _first(self._buffer, _BODY_ENDS)
+        tag = self._emit_until(events, "body", _BODY_ENDS)
         if tag is None:
-            keep = _held(self._buffer, _BODY_ENDS)
-            self._emit(events, "body", self._buffer[: len(self._buffer) - keep])
-            self._buffer = self._buffer[len(self._buffer) - keep:]
             return False
-        self._emit(events, "body", self._buffer[:at])
         events.append(Event("end", tag))
-        self._buffer, self._state = self._buffer[at + len(tag):], "outside"
+        self._buffer, self._state = self._buffer[len(tag):], "outside"
         return True
+
+    def _emit_until(self, events: list[Event], kind: str, tags: tuple[str, ...]) -> str | None:
+        """Emit the buffer as `kind` up to the first of `tags`, which then begins the buffer
+        (returned); with none in it, all but what may begin one (None)."""
+        at, tag = _first(self._buffer, tags)
+        end = at if tag is not None else len(self._buffer) - _held(self._buffer, tags)
+        self._emit(events, kind, self._buffer[:end])
+        self._buffer = self._buffer[end:]
+        return tag
 
     @staticmethod
     def _emit(events: list[Event], kind: str, text: str) -> None:

@@ -66,6 +66,8 @@ OUTPUTS = [
     ("<|channel|>analysis<|message|>Still thinking when cut", "Still thinking when cut", "", []),
     # braces inside strings do not end the arguments
     (call("get_delivery_date", {"order_id": "}{"}), "", "", [("get_delivery_date", {"order_id": "}{"})]),
+    # a "header" that never reaches <|message|> is text, its tag included
+    ("<|start|>" + "x" * 300 + " done", "", "<|start|>" + "x" * 300 + " done", []),
 ]
 
 
