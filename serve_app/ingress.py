@@ -356,7 +356,7 @@ class ChatIngress(HandleAPI):
         `_tokenize` or the error handlers finish."""
         if traced and self.tracing is not None:
             record = self.metrics.begin(_route_path(request), counted=False)
-            record.trace = self.tracing.begin(record, request.method, request.headers)
+            record.trace = self.tracing.begin(record, request.method, request.headers, model_operation=False)
         self.auth.check(request.headers)
         data = await read_json_body(request, self.config.server.max_request_bytes)
         return parse_request(model_cls, data)

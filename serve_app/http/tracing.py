@@ -41,10 +41,8 @@ if TYPE_CHECKING:
 
     from serve_app.http.metrics import RequestRecord
 
-# What `gen_ai.operation.name` a route is (OpenTelemetry's GenAI conventions); others are
-# chat. The tokenizer routes run no model operation: they get none.
-_OPERATIONS = {"/v1/completions": "text_completion", "/v1/embeddings": "embeddings", "/tokenize": None,
-               "/v1/messages/count_tokens": None}
+# What `gen_ai.operation.name` a route is (OpenTelemetry's GenAI conventions); others are chat.
+_OPERATIONS = {"/v1/completions": "text_completion", "/v1/embeddings": "embeddings"}
 
 
 class IngressTracing:
@@ -59,15 +57,17 @@ class IngressTracing:
         tracer = tracer_for(config, "chatserve.ingress")
         return None if tracer is None else cls(tracer)
 
-    def begin(self, record: RequestRecord, method: str, headers: Mapping[str, str]) -> RequestTrace:
+    def begin(self, record: RequestRecord, method: str, headers: Mapping[str, str],
+              model_operation: bool = True) -> RequestTrace:
         """Open the server and parse spans of the request `record` describes (its route is
-        known), the server span under the client's `traceparent` in `headers`, if any."""
+        known), the server span under the client's `traceparent` in `headers`, if any;
+        without a `model_operation` (the tokenizer routes) it names no GenAI operation."""
         from opentelemetry.trace import SpanKind, set_span_in_context
 
         route = record.route
         attributes = {"http.request.method": method, "http.route": route}
-        if (operation := _OPERATIONS.get(route, "chat")) is not None:
-            attributes["gen_ai.operation.name"] = operation
+        if model_operation:
+            attributes["gen_ai.operation.name"] = _OPERATIONS.get(route, "chat")
         server = self.tracer.start_span(f"{method} {route}", context=extract_context(headers), kind=SpanKind.SERVER,
                                         attributes=attributes)
         parse = self.tracer.start_span("chatserve.parse", context=set_span_in_context(server))

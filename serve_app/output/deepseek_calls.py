@@ -33,6 +33,7 @@ from serve_app.output.tool_parser_base import (
     arguments_json,
     expect,
     find_first,
+    function_alternatives,
     grammar_functions,
     lit,
     repeats,
@@ -150,7 +151,7 @@ class DeepSeekV3ToolParser(TaggedToolParser):
         more = ' ("\\n" call)*' if repeats(choice, parallel) else ""
         rules = [
             f"calls: call{more} {lit(CALLS_END)}",
-            f"call: {lit(CALL_BEGIN + 'function' + SEP)} ({' | '.join(f'fn_{i}' for i in range(len(functions)))}) "
+            f"call: {lit(CALL_BEGIN + 'function' + SEP)} ({function_alternatives(functions)}) "
             f"{lit(chr(10) + '```' + CALL_END)}",
             *(f"fn_{i}: {lit(f.name + chr(10) + '```json' + chr(10))} {arguments_json(f, bind_all or bool(f.strict))}"
               for i, f in enumerate(functions)),

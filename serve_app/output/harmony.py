@@ -38,6 +38,7 @@ from serve_app.output.tool_parser_base import (
     ToolOutput,
     ToolParser,
     arguments_json,
+    function_alternatives,
     grammar_functions,
     lit,
     tagged_calls_grammar,
@@ -233,7 +234,7 @@ class HarmonyToolParser(ToolParser):
         self._split = HarmonySplitter()
         self._call: ArgumentsText | None = None  # the arguments being read
         self._index = -1
-        self._function: str | None = None  # a call's header read, its body not begun
+        self._function: str | None = None  # the open message calls this declared function (None: its body is content)
         self._skip = False  # the rest of this body is neither content nor a call
 
     def push(self, text: str) -> ToolOutput:
@@ -245,11 +246,8 @@ class HarmonyToolParser(ToolParser):
     def _read(self, events: list[Event]) -> ToolOutput:
         out = ToolOutput()
         for event in events:
-            if event.kind == "header":
-                function = event.header.function
-                self._function = function if function in self.names else None
-                if function is not None and self._function is None:
-                    self._function = ""  # undeclared: its body is content
+            if event.kind == "header":  # an undeclared function's body is content, as a message's
+                self._function = event.header.function if event.header.function in self.names else None
             elif event.kind == "end":
                 self._function, self._call, self._skip = None, None, False
             elif event.kind == "body" and self._function:
@@ -286,7 +284,7 @@ class HarmonyToolParser(ToolParser):
             return None
         functions, bind_all = picked
         rules = [
-            f"calls: {' | '.join(f'fn_{i}' for i in range(len(functions)))}",
+            f"calls: {function_alternatives(functions)}",
             *(f"fn_{i}: {lit(f.name + MESSAGE)} {arguments_json(f, bind_all or bool(f.strict))}"
               for i, f in enumerate(functions)),
         ]

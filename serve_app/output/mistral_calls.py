@@ -36,6 +36,7 @@ from serve_app.output.tool_parser_base import (
     TaggedToolParser,
     arguments_json,
     calls_schema,
+    function_alternatives,
     grammar_functions,
     lit,
     repeats,
@@ -188,7 +189,7 @@ class MistralToolParser(TaggedToolParser):
         rules = [
             f"calls: {listed} | {named}",
             f"call: %json {calls_schema(functions, 'arguments', bind_all)}",
-            "named: " + " | ".join(f"fn_{i}" for i in range(len(functions))),
+            "named: " + function_alternatives(functions),
             *(f"fn_{i}: {lit(f.name)} {lit(ARGS)}? {arguments_json(f, bind_all or bool(f.strict))}"
               for i, f in enumerate(functions)),
         ]

@@ -37,6 +37,7 @@ from serve_app.output.json_object_end import BalancedEnd
 from serve_app.output.tool_parser_base import (
     ToolOutput,
     ToolParser,
+    function_alternatives,
     grammar_functions,
     in_order,
     json_value,
@@ -192,7 +193,7 @@ class PythonicToolParser(ToolParser):
             return None
         functions, bind_all = picked
         calls = '"[" call' + (' (", " call)*' if repeats(choice, parallel) else "") + ' "]"'
-        rules = ["call: " + " | ".join(f"fn_{i}" for i in range(len(functions)))]
+        rules = ["call: " + function_alternatives(functions)]
         for i, function in enumerate(functions):
             rules += _function_rules(function, f"fn_{i}", bind_all or bool(function.strict))
         if bind_all:

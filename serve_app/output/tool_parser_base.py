@@ -164,6 +164,12 @@ def relocated(schema: dict[str, Any], location: str, prefix: str) -> tuple[dict[
     return body, defs
 
 
+def function_alternatives(functions: list[FunctionDefinition]) -> str:
+    """The Lark alternatives `fn_0 | fn_1 | ...`, one rule per function (each format writes
+    its own `fn_i` rules)."""
+    return " | ".join(f"fn_{i}" for i in range(len(functions)))
+
+
 def lit(text: str) -> str:
     """`text` as a Lark string literal (JSON's escapes are Lark's)."""
     return json.dumps(text, ensure_ascii=False)

@@ -44,6 +44,7 @@ from serve_app.output.tool_parser_base import (
     TaggedToolParser,
     expect,
     find_first,
+    function_alternatives,
     grammar_functions,
     in_order,
     json_value,
@@ -220,7 +221,7 @@ class Qwen3CoderToolParser(TaggedToolParser):
         if picked is None:
             return None
         functions, bind_all = picked
-        rules = [f"body: \"\\n\" ({' | '.join(f'fn_{i}' for i in range(len(functions)))}) {lit(CLOSE)}"]
+        rules = [f"body: \"\\n\" ({function_alternatives(functions)}) {lit(CLOSE)}"]
         for i, function in enumerate(functions):
             rules += _function_rules(function, f"fn_{i}", bind_all or bool(function.strict))
         if bind_all:

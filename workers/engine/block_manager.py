@@ -160,9 +160,7 @@ class BlockManager:
         for index in range(seq.num_cached_blocks, full):
             block, h = seq.block_table[index], hashes[index]
             if h not in self._cached and self._hash_of[block] is None:
-                self._cached[h] = block
-                self._hash_of[block] = h
-                self._file_child(block, _parent_key(hashes, index, seq.cache_salt), seq.token_ids[index * bs:(index + 1) * bs])
+                self._register(block, hashes, index, seq.cache_salt, seq.token_ids[index * bs:(index + 1) * bs])
         seq.num_cached_blocks = full
 
     def _cache_tail(self, seq: Sequence) -> None:
@@ -178,6 +176,13 @@ class BlockManager:
         if self._hash_of[block] is None and self._parent_of[block] is None:
             hashes = self._block_hashes(seq, index)
             self._file_child(block, _parent_key(hashes, index, seq.cache_salt), seq.token_ids[index * self.block_size:known])
+
+    def _register(self, block: int, hashes: list[bytes], index: int, salt: bytes, tokens: list[int]) -> None:
+        """`block` holds full block `index` of the chain `hashes` (its `tokens`): findable by
+        its hash, and filed under its parent as a tail."""
+        self._cached[hashes[index]] = block
+        self._hash_of[block] = hashes[index]
+        self._file_child(block, _parent_key(hashes, index, salt), tokens)
 
     def _file_child(self, block: int, parent: bytes, tokens: list[int]) -> None:
         siblings = self._children.setdefault(parent, {})
@@ -230,9 +235,7 @@ class BlockManager:
             if len(taken) == room:
                 break
             block = self._take()
-            self._cached[h] = block
-            self._hash_of[block] = h
-            self._file_child(block, _parent_key(hashes, index, salt), token_ids[index * bs:(index + 1) * bs])
+            self._register(block, hashes, index, salt, token_ids[index * bs:(index + 1) * bs])
             taken.append((index - first, block))
         for _, block in taken:
             self._release(block)

@@ -538,21 +538,29 @@ def test_what_the_forced_grammar_allows_the_parser_reads_as_valid_calls(parser_c
                                                                          tiny_tokenizer):
     """Random walks through the forced grammar (any token it allows, so tokens straddle the
     markup every way): each output is calls only, valid against their schemas."""
+    for out in forced_walks(parser_cls, choice, ll_tokenizer, tiny_tokenizer):
+        assert all(choice == "required" or call.name == "ship" for call in out.calls)
+
+
+def forced_walks(parser_cls, choice, ll_tokenizer, tokenizer) -> list[ToolOutput]:
+    """What the parser reads of 8 random walks through the forced grammar over RICH_TOOLS
+    (at least 4 of them ended): calls only, each valid against its schema, the same read
+    whole or a character at a time."""
     schemas = {t.function.name: t.function.parameters for t in RICH_TOOLS}
     grammar = parser_cls.grammar(RICH_TOOLS, choice, True)
-    ended = 0
+    outputs = []
     for seed in range(8):
-        text = walk(ll_tokenizer, tiny_tokenizer, grammar, seed)
+        text = walk(ll_tokenizer, tokenizer, grammar, seed)
         if text is None:
             continue
-        ended += 1
         out = parse_whole(parser_cls, text, RICH_TOOLS, forced=True)
         assert out.content == "" and out.calls, text
         for call in out.calls:
-            assert choice == "required" or call.name == "ship"
             jsonschema.validate(json.loads(call.arguments), schemas[call.name])
         assert calls_of(streamed(parser_cls, list(text), RICH_TOOLS, forced=True)) == calls_of(out)
-    assert ended >= 4
+        outputs.append(out)
+    assert len(outputs) >= 4
+    return outputs
 
 
 def refusal(parser_cls, tool: dict) -> str | None:
