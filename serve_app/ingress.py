@@ -416,9 +416,12 @@ class ChatIngress(HandleAPI):
         fetched, both inside the dialect's `errors` (which name its own fields)."""
         target = await self._target(req.model)
         transport = self._worker(target.base_model)
+        model = self.config.model(target.base_model)
+        if model.runner == "pooling":
+            raise APIError(400, f"model: `{req.model}` is an embedding model: it serves /v1/embeddings, /tokenize and "
+                           "/detokenize, not generation", param="model", code="model_not_supported")
         request_id = dialect.new_id()
-        context = CallContext(self.config.model(target.base_model), self.config.server,
-                              self.dialect_states.get(dialect.path))
+        context = CallContext(model, self.config.server, self.dialect_states.get(dialect.path))
         plan = dialect.plan(req, request_id, context)
         parts = dialect.split(plan) if dialect.split is not None else [plan]
         gen_requests = []

@@ -82,3 +82,26 @@ def write_tiny_model_dir(path: Path, seed: int = 0, **config_overrides) -> Path:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def write_tiny_encoder_dir(path: Path, model_type: str = "bert", seed: int = 0, pooling: str | None = None) -> Path:
+    """A random-weight encoder (BERT, or RoBERTa with its offset positions) with the tiny
+    tokenizer; `pooling` (a flag such as pooling_mode_mean_tokens) writes a sentence-transformers
+    Pooling module that sets it."""
+    import json
+
+    from transformers import BertConfig, BertModel, RobertaConfig, RobertaModel
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(seed)
+    kinds = {"bert": (BertConfig, BertModel), "roberta": (RobertaConfig, RobertaModel)}
+    config_class, model_class = kinds[model_type]
+    config = config_class(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, max_position_embeddings=66, pad_token_id=tokenizer.pad_token_id)
+    model = model_class(config, add_pooling_layer=False).eval()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    if pooling is not None:
+        (path / "1_Pooling").mkdir()
+        (path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 32, pooling: True}))
+    return path

@@ -24,6 +24,7 @@ from workers.engine.kv_sizing import sized_engine_limits
 from workers.engine.llm_engine import LLMEngine
 from workers.model.attention import register_paged_attention
 from workers.model.loader import load_model
+from workers.serving.deployment import decoder_pooler
 from workers.serving.host_memory import keep_freed_memory
 
 WORDS = ("serve model batch token cache vector prompt layer stream replica engine query document search "
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     loaded.model.set_attn_implementation(register_paged_attention())
     cpu = torch.device("cpu")
     engine = LLMEngine(loaded.model, frozenset(), sized_engine_limits(config, loaded.model, cpu), cpu)
-    pooler = config.pooler_config
+    pooler = decoder_pooler(config.pooler_config, loaded.path)
     params = SamplingParams(max_tokens=1, pooling=Pooling(pooler.pooling_type.lower(), pooler.normalize))
     prompts = [loaded.tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
     engine_rate(engine, prompts[:4], params, 4)  # warm-up

@@ -332,9 +332,12 @@ class PoolerConfig(BaseModel):
     """How `/v1/embeddings` makes one vector of a prompt (vLLM's `pooler_config` names)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    pooling_type: Literal["LAST", "MEAN"] = Field(
-        "LAST", description="LAST: the last prompt token's final hidden state (what decoder-only embedding models "
-        "train); MEAN: the mean over every prompt token (which then skips the prefix cache)")
+    pooling_type: Literal["LAST", "MEAN", "CLS"] | None = Field(
+        None, description="LAST: the last prompt token's final hidden state (what decoder-only embedding models "
+        "train); MEAN: the mean over every prompt token (on a generating model it then skips the prefix cache); CLS: "
+        "the first token's (encoders only, as BERT-like models train). null: the checkpoint's own choice, read from "
+        "its sentence-transformers pooling config (1_Pooling/config.json) when it has one, else CLS for an encoder "
+        "and LAST for a generating model")
     normalize: bool = Field(True, description="scale each vector to unit length")
     is_matryoshka: bool = Field(
         False, description="the model was trained so that a vector's first values are an embedding too: requests "
@@ -404,6 +407,14 @@ class ModelConfig(_Strict):
         "template opened one is dropped); or gpt-oss's harmony analysis channel, openai_gptoss "
         "(serve_app/output/harmony.py; its answer is the final channel, its calls are read by "
         "`tool_call_parser: openai`)")
+    runner: Literal["auto", "generate", "pooling"] = Field(
+        "auto", description="what the model serves (vLLM's `--runner`): generate, the chat, completion and "
+        "embedding routes through the continuous-batching engine; pooling, an encoder (BERT, RoBERTa, XLM-R, "
+        "MPNet, ... as transformers' AutoModel loads it) serving /v1/embeddings, /tokenize and /detokenize only, "
+        "in padded batches of at most engine.max_num_seqs inputs and engine.max_num_batched_tokens padded tokens "
+        "(workers/serving/encoder_worker.py); auto: pooling when the checkpoint's config.json "
+        "names an encoder `model_type`, else generate (read when the app is built: a local directory, or a Hub "
+        "id's config.json)")
     pooler_config: PoolerConfig = Field(
         PoolerConfig(), description="/v1/embeddings: how the model's final hidden states pool into one vector")
     lora: LoraConfig | None = Field(
@@ -430,6 +441,8 @@ class ModelConfig(_Strict):
         self._check_disaggregation()
         self._check_deterministic()
         self._check_draft()
+        if self.runner == "pooling" and (conflict := pooling_conflict(self)) is not None:
+            raise ValueError(f"runner: pooling: {conflict}")
         return self
 
     def _check_draft(self) -> None:
@@ -508,3 +521,14 @@ class ModelConfig(_Strict):
         options["placement_group_bundles"] = [dict(bundle) for _ in range(shards)]
         options["placement_group_strategy"] = self.parallel.placement_group_strategy
         return options
+
+
+def pooling_conflict(model: ModelConfig) -> str | None:
+    """What in `model`'s config an encoder (runner pooling) cannot serve, or None: it runs
+    whole on one device, with no decoding features."""
+    present = {"speculative": model.speculative is not None, "disaggregation": model.disaggregation is not None,
+               "lora": model.lora is not None, f"parallel.{model.parallel.split_field}": model.parallel.shards > 1}
+    unusable = [name for name, set_ in present.items() if set_]
+    if not unusable:
+        return None
+    return f"an encoder serves embeddings only, whole on one device; remove {', '.join(unusable)}"

@@ -33,6 +33,7 @@ from workers.model.fused_projections import fuse_sibling_projections
 from workers.model.gguf_packing import keep_gguf_weights_packed
 from workers.model.hub_source import HubId, resolve_hub_gguf, resolve_hub_model
 from workers.model.model_cache import converted_once
+from workers.model.model_kind import ENCODER_MODEL_TYPES
 from workers.model.packed_swap import ShardCut, whole
 from workers.model.quantized_checkpoint import (
     dequantized_model_dir,
@@ -191,6 +192,9 @@ def load_model(
     linear on this CPU."""
     path = prepare_model_dir(source, cache_dir)
     config = AutoConfig.from_pretrained(path)
+    if config.model_type in ENCODER_MODEL_TYPES:
+        raise ValueError(f"model source {source!r} is an encoder ({config.model_type}), which generates nothing: "
+                         "serve it with runner: pooling (/v1/embeddings)")
     packed = PackedSource.of(source) if quantization == "auto" and device in ("cpu", "cuda") else None
     kwargs = {"dtype": resolve_dtype(dtype, device, quantized=packed is not None)}
     target, device = device, "cpu" if packed else device  # a packed model goes to its device after the swap

@@ -21,7 +21,7 @@ from workers.contract.chunks import ErrorInfo, GenerationChunk
 from workers.contract.embeddings import EmbedRequest, EmbedResult
 from workers.contract.engine_load import EngineLoad
 from workers.contract.kv_handoff import KVHandoff
-from workers.contract.model_config import ModelConfig
+from workers.contract.model_config import ModelConfig, PoolerConfig
 from workers.contract.requests import GenerateRequest
 from workers.contract.serve_logs import route_to_serve_log
 from workers.contract.tokenize import (
@@ -37,10 +37,11 @@ from workers.engine.llm_engine import LLMEngine
 from workers.lora.replica_adapters import WorkerAdapters
 from workers.model.cpu_linear import PackedLinear
 from workers.model.fused_projections import FusedProjection
+from workers.model.model_kind import own_pooling
 from workers.serving.async_engine import AsyncEngine
 from workers.serving.channel_socket import ChannelSocket
 from workers.serving.channels import ChannelRegistry, until_closed
-from workers.serving.embeddings import Embeddings
+from workers.serving.embeddings import Embeddings, EnginePooling
 from workers.serving.engine_build import BuiltEngine, build_engine, vision_prompts
 from workers.serving.kv_handoffs import KVHandoffs
 from workers.serving.request_processor import RequestProcessor, Timeouts
@@ -133,7 +134,8 @@ class ModelWorker:
         self.tokenization = Tokenization(loaded.tokenizer, self.processor.prompts, self.processor.max_model_len,
                                          self.processor.vision)
         hidden_size = loaded.model.config.get_text_config().hidden_size  # a VLM's is its text model's
-        self.embeddings = Embeddings(self.engine, loaded.tokenizer, self.config.pooler_config, hidden_size,
+        pooler = decoder_pooler(self.config.pooler_config, loaded.path)
+        self.embeddings = Embeddings(EnginePooling(self.engine, pooler), loaded.tokenizer, pooler, hidden_size,
                                      _embedding_refusal(self._shards, self.processor), tracing=worker_tracing)
         self.channels = ChannelRegistry()
         self.channel_socket = ChannelSocket(self.channels, _node_address())
@@ -293,3 +295,14 @@ def _embedding_refusal(shards, processor: RequestProcessor) -> str | None:
     if processor.vision is not None:
         return "it is a vision-language model"
     return None
+
+
+def decoder_pooler(pooler: PoolerConfig, model_dir) -> PoolerConfig:
+    """A generating model's pooler with its pooling_type decided: as configured, else the
+    checkpoint's sentence-transformers choice, else LAST. CLS is an encoder's (a decoder's
+    first token has seen nothing after it): a ValueError naming the field."""
+    pooling = pooler.pooling_type or own_pooling(model_dir) or "LAST"
+    if pooling == "CLS":
+        raise ValueError("pooler_config.pooling_type: CLS pools an encoder's first token; a generating model pools "
+                         "LAST or MEAN (an encoder checkpoint is served with runner: pooling)")
+    return pooler.model_copy(update={"pooling_type": pooling})

@@ -1,6 +1,8 @@
-"""POST /v1/embeddings on the worker: each input becomes an engine request that prefills its
-prompt beside the generating ones and ends with a pooled vector instead of a token
-(workers/engine/pooling.py); this module tokenizes, checks, submits, gathers and trims."""
+"""POST /v1/embeddings on the worker: tokenize, check, pool, gather and trim. The pooling
+itself is the backend's: a generating model's engine, where each input becomes an engine
+request that prefills its prompt beside the generating ones and ends with a pooled vector
+instead of a token (workers/engine/pooling.py); or an encoder's padded batches
+(workers/serving/encoder_batches.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ import asyncio
 import logging
 import math
 import time
+from dataclasses import dataclass
+from typing import Protocol
 
 from workers.contract.chunks import ErrorInfo
 from workers.contract.embeddings import EmbedRequest, EmbedResult
@@ -21,18 +25,69 @@ from workers.serving.request_trace import RequestTiming, WorkerTracing, record_s
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class PooledInput:
+    """One input's vector, when it was first scheduled (None: never queued) and when it was done."""
+
+    vector: list[float]
+    queue_time: float | None
+    time: float
+
+
+class PoolingBackend(Protocol):
+    """What computes the vectors: the inputs of one request, submitted together."""
+
+    @property
+    def longest_input(self) -> int: ...
+
+    async def pool(self, prompts: list[list[int]]) -> list[PooledInput]: ...
+
+
+class EnginePooling:
+    """A generating model's engine as the backend: every input one engine request."""
+
+    def __init__(self, engine: AsyncEngine, pooler: PoolerConfig) -> None:
+        """`pooler`: its pooling_type resolved (LAST or MEAN)."""
+        self.engine = engine
+        self.params = SamplingParams(max_tokens=1, pooling=Pooling(pooler.pooling_type.lower(), pooler.normalize))
+
+    @property
+    def longest_input(self) -> int:
+        return self.engine.limits.max_model_len - 1  # the engine's check counts one output position
+
+    async def pool(self, prompts: list[list[int]]) -> list[PooledInput]:
+        """Every prompt submitted at once, so the engine batches them; a caller that leaves
+        aborts those still running."""
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in prompts]
+        streams: list[RequestStream] = []
+        try:
+            for i, (ids, done) in enumerate(zip(prompts, futures)):
+                try:
+                    stream = self.engine.add_request(ids, self.params)
+                except WorkerError as exc:
+                    exc.param, exc.prefix = "input", f"input.{i}: "
+                    raise
+                stream.sink = _settle(stream, done)
+                streams.append(stream)
+            events: list[TokenEvent] = await asyncio.gather(*futures)
+        finally:
+            for stream in streams:
+                self.engine.abort(stream)
+        return [PooledInput(e.embedding, e.queue_time, e.time) for e in events]
+
+
 class Embeddings:
-    def __init__(self, engine: AsyncEngine, tokenizer, pooler: PoolerConfig, hidden_size: int,
+    def __init__(self, backend: PoolingBackend, tokenizer, pooler: PoolerConfig, hidden_size: int,
                  refusal: str | None = None, tracing: WorkerTracing | None = None) -> None:
         """`refusal`: why this model serves no embeddings (e.g. it is split over devices);
         `tracing`: the replica's tracer (a request with a trace context gets its spans)."""
-        self.engine = engine
+        self.backend = backend
         self.tracing = tracing
         self.tokenizer = tokenizer
         self.pooler = pooler
         self.hidden_size = hidden_size
         self.refusal = refusal
-        self.params = SamplingParams(max_tokens=1, pooling=Pooling(pooler.pooling_type.lower(), pooler.normalize))
 
     async def embed(self, request: EmbedRequest) -> EmbedResult | ErrorInfo:
         """The inputs' vectors, in order; a 400 for an input the engine cannot take."""
@@ -41,10 +96,10 @@ class Embeddings:
             self._check(request)
             prompts = await asyncio.to_thread(self._token_ids, request)
             timing.admitted, timing.prompt_tokens = time.perf_counter(), sum(map(len, prompts))
-            events = await self._run(prompts)
-            # The spans' prefill: from the engine's first step of any input to its last vector.
-            timing.queue_s = min((e.queue_time for e in events if e.queue_time is not None), default=None)
-            timing.first_token = timing.last_token = max(e.time for e in events)
+            pooled = await self.backend.pool(prompts)
+            # The spans' prefill: from the first step of any input to its last vector.
+            timing.queue_s = min((p.queue_time for p in pooled if p.queue_time is not None), default=None)
+            timing.first_token = timing.last_token = max(p.time for p in pooled)
         except WorkerError as exc:
             timing.error = exc.info()
             return timing.error
@@ -53,7 +108,7 @@ class Embeddings:
             raise
         finally:
             self._trace(request, timing)
-        return EmbedResult([self._trimmed(e.embedding, request.dimensions) for e in events], timing.prompt_tokens)
+        return EmbedResult([self._trimmed(p.vector, request.dimensions) for p in pooled], timing.prompt_tokens)
 
     def _trace(self, request: EmbedRequest, timing: RequestTiming) -> None:
         """The request's worker spans (admit, queue, prefill), when it is traced."""
@@ -86,7 +141,7 @@ class Embeddings:
                                       param="input", code="invalid_token_id")
         else:
             prompts = [list(self.tokenizer(text, add_special_tokens=True)["input_ids"]) for text in request.texts]
-        longest = self.engine.limits.max_model_len - 1  # the engine's check counts one output position
+        longest = self.backend.longest_input
         for i, ids in enumerate(prompts):
             if not ids:
                 raise WorkerError(f"input.{i}: the input is empty", param="input")
@@ -94,26 +149,6 @@ class Embeddings:
                 raise WorkerError(f"input.{i}: {len(ids)} tokens; this model embeds at most {longest} tokens "
                                   "an input", param="input", code="context_length_exceeded")
         return prompts
-
-    async def _run(self, prompts: list[list[int]]) -> list[TokenEvent]:
-        """Every prompt submitted at once, so the engine batches them; a caller that leaves
-        aborts those still running. Each input's one event (its vector, its queue time)."""
-        loop = asyncio.get_running_loop()
-        futures = [loop.create_future() for _ in prompts]
-        streams: list[RequestStream] = []
-        try:
-            for i, (ids, done) in enumerate(zip(prompts, futures)):
-                try:
-                    stream = self.engine.add_request(ids, self.params)
-                except WorkerError as exc:
-                    exc.param, exc.prefix = "input", f"input.{i}: "
-                    raise
-                stream.sink = _settle(stream, done)
-                streams.append(stream)
-            return list(await asyncio.gather(*futures))
-        finally:
-            for stream in streams:
-                self.engine.abort(stream)
 
     def _trimmed(self, vector: list[float], dimensions: int | None) -> list[float]:
         """The first `dimensions` values, at unit length again when the model normalizes."""

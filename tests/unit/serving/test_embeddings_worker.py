@@ -18,7 +18,7 @@ from workers.contract.model_config import PoolerConfig
 from workers.core.events import TokenEvent
 from workers.core.sequence import FinishReason
 from workers.serving.async_engine import RequestStream
-from workers.serving.embeddings import Embeddings
+from workers.serving.embeddings import Embeddings, EnginePooling
 
 
 class FakeEngine:
@@ -46,7 +46,8 @@ class FakeEngine:
 
 def embed(request: EmbedRequest, pooler=PoolerConfig(), refusal=None, engine=None):
     engine = engine or FakeEngine()
-    worker = Embeddings(engine, build_tokenizer(), pooler, hidden_size=4, refusal=refusal)
+    pooler = pooler.model_copy(update={"pooling_type": pooler.pooling_type or "LAST"})  # as the replica decides it
+    worker = Embeddings(EnginePooling(engine, pooler), build_tokenizer(), pooler, hidden_size=4, refusal=refusal)
     return asyncio.run(worker.embed(request)), engine
 
 
