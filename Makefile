@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-gpu fuzz bench bench-cpu bench-llamacpp bench-transport bench-prefix bench-prefix-routing bench-fairness bench-pd bench-spec bench-embeddings bench-lora bench-ttft-overhead bench-gpu soak soak-chaos faults clean
+.PHONY: install serve test test-gpu fuzz bench bench-cpu bench-llamacpp bench-transport bench-prefix bench-prefix-routing bench-fairness bench-pd bench-spec bench-embeddings bench-encoder bench-lora bench-ttft-overhead bench-gpu soak soak-chaos faults clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -99,6 +99,9 @@ bench-spec: $(STAMP)
 # Embeddings: inputs/s at batch 1 and 64 in the engine (the default model and pooler).
 bench-embeddings: $(STAMP)
 	$(BIN)/python -m tools.bench.embeddings --batch 1 64 --rounds 3
+
+bench-encoder: $(STAMP)
+	$(BIN)/python -m tools.bench.encoder_embeddings --systems serve vllm --batch 1 64 --concurrency 1 8
 
 bench-fairness: $(STAMP)
 	$(BIN)/python -m tools.bench.engine fairness --streams 16 --long-prompt 2000 --budget 256 2048

