@@ -75,3 +75,6 @@ def test_an_encoder_embeds_and_refuses_generation(two_models):
     assert messages.status_code == 400 and messages.json()["type"] == "error"
     health = httpx.get(url + "/health", timeout=30)
     assert health.status_code == 200 and health.json()["models"]["encoder"]["ready"]
+    metrics = httpx.get(url + "/metrics", timeout=30).text
+    assert 'chatserve_requests_total{model="encoder",route="/v1/embeddings",status="200"} 1.0' in metrics
+    assert 'chatserve_prompt_tokens_total{model="encoder"}' in metrics
