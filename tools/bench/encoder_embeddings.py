@@ -23,7 +23,13 @@ from pathlib import Path
 import httpx
 import yaml
 
-from tools.bench.compare import REPO, VLLM_PORT, serve_running, server_running, setup_script
+from tools.bench.compare import (
+    REPO,
+    VLLM_PORT,
+    serve_running,
+    server_running,
+    setup_script,
+)
 from tools.bench.embeddings import WORDS, sentences
 
 MODEL_NAME = "bge-small-random"
@@ -37,7 +43,14 @@ def write_encoder(directory: Path, seed: int = 0) -> Path:
     if (directory / "config.json").is_file():
         return directory
     import torch
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import BertConfig, BertModel, BertTokenizerFast
 
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]

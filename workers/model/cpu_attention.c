@@ -12,7 +12,11 @@ time, and the softmax runs online, block by block in position order, in float32 
 the cache's dtype; a sequence's partitions are then merged in order. The partitions let one
 long context use every thread; they are cut by the row's length alone, so a sequence's
 result depends only on its own query and context, never on the batch around it or on the
-thread count.
+thread count. A prompt attended as decode rows (a speculative verification, a chunk under
+engine.deterministic) has its consecutive queries tiled 8 at a time: each block is read
+once for the tile, and each query's sums stay those it would have alone (2,000 queries of
+the default model's shape: 360 -> 138 ms a layer on a 2-core AVX2 EPYC, SDPA's causal
+product 115 ms).
 
 Built by workers/native/build.py with the host's gcc (-O3 -march=native -fopenmp); torch's
 OpenMP runtime runs the tasks. */
@@ -186,43 +190,109 @@ static inline float exponentiate(float *x, int64_t n, float max) {
     return sum;
 }
 
-/* One sequence's query heads [kv_head * group, (kv_head + 1) * group) over KV head
-   `kv_head`, keys [first, end): each key and value row is read (and widened) once for all
-   of them. Leaves the range's softmax unnormalized: acc (group x head_dim) = sum of
-   e^(s - max) v, and per head its max and sum of e^(s - max). */
-static void attend_range(int dtype, const float *qf, const void *k, const void *v, int64_t kv_heads, int64_t kv_head,
-                         int64_t head_dim, int64_t block_size, const int64_t *table, int64_t first, int64_t end,
-                         int64_t group, float scale, float softcap, float *acc, float *maxes, float *sums,
-                         float *work) {
-    float *scores = work, *rows = scores + group * MAX_BLOCK;  /* rows: 8 widened keys, or one value */
-    for (int64_t h = 0; h < group; h++) {
-        maxes[h] = -INFINITY;
-        sums[h] = 0.0f;
+/* acc[0..d) += sum over t < n, in order, of p[t] * row t (rows `stride` floats apart). Each
+   acc element takes its n products one after another, as a loop over t would add them, but
+   up to 64 of them stay in registers for the whole block (one load and store of acc a
+   block, not one a key). */
+static inline void add_weighted_rows(float *acc, const float *p, const float *rows, int64_t stride, int64_t n,
+                                     int64_t d) {
+    int64_t i = 0;
+#ifdef VECTOR_PATH
+    for (; i + 64 <= d; i += 64) {
+        __m256 a[8];
+        for (int j = 0; j < 8; j++) a[j] = _mm256_loadu_ps(acc + i + 8 * j);
+        for (int64_t t = 0; t < n; t++) {
+            const __m256 pt = _mm256_set1_ps(p[t]);
+            const float *row = rows + t * stride + i;
+            for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(row + 8 * j), a[j]);
+        }
+        for (int j = 0; j < 8; j++) _mm256_storeu_ps(acc + i + 8 * j, a[j]);
     }
-    memset(acc, 0, (size_t)(group * head_dim) * sizeof(float));
+    for (; i + 8 <= d; i += 8) {
+        __m256 a = _mm256_loadu_ps(acc + i);
+        for (int64_t t = 0; t < n; t++) a = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), _mm256_loadu_ps(rows + t * stride + i), a);
+        _mm256_storeu_ps(acc + i, a);
+    }
+#endif
+    for (; i < d; i++) {
+        float a = acc[i];
+        for (int64_t t = 0; t < n; t++) a = fmaf(p[t], rows[t * stride + i], a);
+        acc[i] = a;
+    }
+}
+
+/* One query's running softmax over KV head `kv_head` for its query heads (`group` of them):
+   acc (group x head_dim) = sum of e^(s - max) v, and per head its max and the sum of
+   e^(s - max), left unnormalized. */
+typedef struct {
+    const float *q;  /* the group's query rows, widened */
+    float *acc, *maxes, *sums;
+    int64_t end;     /* its keys end here */
+} query_state;
+
+static void start_query(query_state *query, int64_t group, int64_t head_dim) {
+    for (int64_t h = 0; h < group; h++) {
+        query->maxes[h] = -INFINITY;
+        query->sums[h] = 0.0f;
+    }
+    memset(query->acc, 0, (size_t)(group * head_dim) * sizeof(float));
+}
+
+/* The query takes n keys starting at cache slot `slot` (its `values` rows `value_stride`
+   floats apart): scores, the running maxima, the exponentials, the weighted values. */
+static inline void take_keys(int dtype, query_state *query, const void *k, const float *values, int64_t value_stride,
+                             int64_t kv_heads, int64_t kv_head, int64_t head_dim, int64_t slot, int64_t n,
+                             int64_t group, float scale, float softcap, float *scores, float *rows) {
+    float *acc = query->acc, *maxes = query->maxes, *sums = query->sums;
+    block_scores(dtype, query->q, k, (slot * kv_heads + kv_head) * head_dim, kv_heads * head_dim, head_dim, n, group,
+                 scale, softcap, scores, rows);
+    for (int64_t h = 0; h < group; h++) {  /* the running maxima take the block's */
+        float *sh = scores + h * MAX_BLOCK, block_max = -INFINITY;
+        for (int64_t t = 0; t < n; t++) block_max = sh[t] > block_max ? sh[t] : block_max;
+        if (block_max > maxes[h]) {
+            float rescale = expf(maxes[h] - block_max);  /* 0 on the first block (exp(-inf)) */
+            for (int64_t i = 0; i < head_dim; i++) acc[h * head_dim + i] *= rescale;
+            sums[h] *= rescale;
+            maxes[h] = block_max;
+        }
+        sums[h] += exponentiate(sh, n, maxes[h]);
+    }
+    for (int64_t h = 0; h < group; h++)
+        add_weighted_rows(acc + h * head_dim, scores + h * MAX_BLOCK, values, value_stride, n, head_dim);
+}
+
+/* Queries of one sequence over KV head `kv_head`, keys [first, each query's end): block by
+   block in position order, each block's key and value rows read (and widened) once for all
+   the queries and their query heads, while they are in the core's nearest cache. Each
+   query's sums are taken in the same order as were it alone (`count` 1: a decode row), so
+   a prompt's queries tiled here equal the same queries decoded one at a time. */
+static void attend_range(int dtype, query_state *queries, int count, const void *k, const void *v, int64_t kv_heads,
+                         int64_t kv_head, int64_t head_dim, int64_t block_size, const int64_t *table, int64_t first,
+                         int64_t group, float scale, float softcap, float *work) {
+    float *scores = work, *rows = scores + group * MAX_BLOCK;  /* rows: 8 widened keys */
+    float *block_values = rows + 8 * head_dim;  /* a block's widened values (a cache not in float32) */
+    int64_t end = first;
+    for (int r = 0; r < count; r++) {
+        start_query(&queries[r], group, head_dim);
+        end = queries[r].end > end ? queries[r].end : end;
+    }
     for (int64_t b = first / block_size; b * block_size < end; b++) {
         int64_t from = b * block_size < first ? first : b * block_size;
-        int64_t to = (b + 1) * block_size < end ? (b + 1) * block_size : end, n = to - from;
+        int64_t to = (b + 1) * block_size < end ? (b + 1) * block_size : end;
         int64_t slot = table[b] * block_size + (from - b * block_size);
-        block_scores(dtype, qf, k, (slot * kv_heads + kv_head) * head_dim, kv_heads * head_dim, head_dim, n, group,
-                     scale, softcap, scores, rows);
-        for (int64_t h = 0; h < group; h++) {  /* the running maxima take the block's */
-            float *sh = scores + h * MAX_BLOCK, block_max = -INFINITY;
-            for (int64_t t = 0; t < n; t++) block_max = sh[t] > block_max ? sh[t] : block_max;
-            if (block_max > maxes[h]) {
-                float rescale = expf(maxes[h] - block_max);  /* 0 on the first block (exp(-inf)) */
-                for (int64_t i = 0; i < head_dim; i++) acc[h * head_dim + i] *= rescale;
-                sums[h] *= rescale;
-                maxes[h] = block_max;
-            }
-            sums[h] += exponentiate(sh, n, maxes[h]);
+        const float *values = (const float *)v + (slot * kv_heads + kv_head) * head_dim;
+        int64_t value_stride = kv_heads * head_dim;
+        if (dtype != DT_FLOAT32) {  /* the block's values widened once, for every query and head */
+            for (int64_t t = 0; t < to - from; t++)
+                widen_row(dtype, v, ((slot + t) * kv_heads + kv_head) * head_dim, head_dim, block_values + t * head_dim);
+            values = block_values;
+            value_stride = head_dim;
         }
-        for (int64_t t = 0; t < n; t++) {
-            const float *value = cache_row(dtype, v, ((slot + t) * kv_heads + kv_head) * head_dim, head_dim, rows);
-            for (int64_t h = 0; h < group; h++) {
-                float p = scores[h * MAX_BLOCK + t], *ah = acc + h * head_dim;
-                for (int64_t i = 0; i < head_dim; i++) ah[i] += p * value[i];
-            }
+        for (int r = 0; r < count; r++) {
+            int64_t n = (to < queries[r].end ? to : queries[r].end) - from;
+            if (n > 0)
+                take_keys(dtype, &queries[r], k, values, value_stride, kv_heads, kv_head, head_dim, slot, n, group,
+                          scale, softcap, scores, rows);
         }
     }
 }
@@ -238,7 +308,10 @@ static inline int64_t partitions(int64_t len, int64_t window) {
 }
 
 /* Floats of scratch: a thread's (scores, widened rows, the query), a partition's result. */
-static int64_t thread_work(int64_t group, int64_t head_dim) { return group * MAX_BLOCK + 8 * head_dim + group * head_dim; }
+#define TILE_ROWS 8  /* a prompt's consecutive queries attended together, each block read once for them */
+static int64_t thread_work(int64_t group, int64_t head_dim) {
+    return group * MAX_BLOCK + 8 * head_dim + MAX_BLOCK * head_dim + TILE_ROWS * group * head_dim;
+}
 static int64_t part_floats(int64_t group, int64_t head_dim) { return group * head_dim + 2 * group; }
 
 /* The partitions of one (sequence, KV head) merged in order into its output rows. */
@@ -272,27 +345,55 @@ static inline int thread_index(void) {
 #endif
 }
 
-/* How one call's work is cut: its tasks (sequence, "KV head", partition) and scratch, the
-   same for every layer of a step with the same window (cpu_decoder.c plans once a step).
-   A task takes the query heads of one KV head; with fewer tasks than two a thread (one
-   stream's short context: 3 on 2 threads for the default model), one query head each, so
-   that the threads share the work evenly (a step at batch 1 is 10-15 % faster). A head's
-   sums are its own either way. */
+/* How one call's work is cut: its tasks (sequence, "KV head", partition), run in units,
+   and scratch, the same for every layer of a step with the same window (cpu_decoder.c plans
+   once a step). A task takes the query heads of one KV head; with fewer tasks than two a
+   thread (one stream's short context: 3 on 2 threads for the default model), one query
+   head each, so that the threads share the work evenly (a step at batch 1 is 10-15 %
+   faster). A unit is one task, or the same (KV head, partition) task of up to TILE_ROWS
+   rows that are one prompt's consecutive queries (the same block table, each row's length
+   one more than the previous; no window): its blocks are read once for all of them. A
+   head's sums are its own either way. */
 typedef struct {
-    int64_t tasks, split, kv_heads, group, per_thread, per_part, products, team;  /* team: threads with scratch */
+    int64_t tasks, units, split, kv_heads, group, per_thread, per_part, products, team;  /* team: threads with scratch */
     int64_t *seq_first;  /* task numbers of each sequence's first partition (num_seqs + 1) */
-    int64_t *task_seq;   /* each task's sequence */
+    int64_t *unit_seq;   /* each unit's first row, then its row count, "KV head" and partition (4 a unit) */
     float *work;         /* per_thread floats a thread, then per_part floats a task */
 } attention_plan;
 
 static void free_plan(attention_plan *plan) {
-    free(plan->seq_first), free(plan->task_seq), free(plan->work);
-    plan->seq_first = plan->task_seq = NULL, plan->work = NULL;
+    free(plan->seq_first), free(plan->unit_seq), free(plan->work);
+    plan->seq_first = plan->unit_seq = NULL, plan->work = NULL;
+}
+
+/* Rows `seq` - 1 and `seq`: consecutive queries of one prompt. */
+static int next_query(const int64_t *tables, int64_t width, const int32_t *lens, int64_t seq) {
+    return lens[seq] == lens[seq - 1] + 1 &&
+           memcmp(tables + seq * width, tables + (seq - 1) * width, (size_t)width * sizeof(int64_t)) == 0;
+}
+
+/* The units: runs of consecutive queries (TILE_ROWS at most; single rows under a window),
+   then each run's (KV head, partition) pairs. */
+static int64_t plan_units(int64_t *unit_seq, const int64_t *tables, int64_t width, const int32_t *lens,
+                          int64_t num_seqs, int64_t kv_heads, int64_t window) {
+    int64_t units = 0;
+    for (int64_t seq = 0, end; seq < num_seqs; seq = end) {
+        for (end = seq + 1; window <= 0 && end < num_seqs && end - seq < TILE_ROWS && next_query(tables, width, lens, end);
+             end++) {}
+        int64_t count = partitions(lens[end - 1], window);  /* the run's longest row has the most */
+        for (int64_t kv_head = 0; kv_head < kv_heads; kv_head++)
+            for (int64_t part = 0; part < count; part++, units++) {
+                int64_t *unit = unit_seq + 4 * units;
+                unit[0] = seq, unit[1] = end - seq, unit[2] = kv_head, unit[3] = part;
+            }
+    }
+    return units;
 }
 
 /* 0, or 1 (nothing allocated) for a shape the kernel does not take or no memory. */
 static int plan_attention(attention_plan *plan, int dtype, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                          int64_t block_size, const int32_t *lens, int64_t num_seqs, int64_t window, int threads) {
+                          int64_t block_size, const int64_t *tables, int64_t width, const int32_t *lens,
+                          int64_t num_seqs, int64_t window, int threads) {
 #ifndef __F16C__
     if (dtype == DT_FLOAT16) return 1;
 #endif
@@ -313,41 +414,48 @@ static int plan_attention(attention_plan *plan, int dtype, int64_t heads, int64_
         products += (int64_t)lens[seq] * heads * head_dim;
     }
     seq_first[num_seqs] = tasks;
-    int64_t *task_seq = malloc((size_t)(tasks > 0 ? tasks : 1) * sizeof(int64_t));
+    int64_t *unit_seq = malloc((size_t)(4 * (tasks > 0 ? tasks : 1)) * sizeof(int64_t));  /* units <= tasks */
     float *work = malloc((size_t)(per_thread * team + per_part * tasks) * sizeof(float));
-    if (task_seq == NULL || work == NULL) {
-        free(seq_first), free(task_seq), free(work);
+    if (unit_seq == NULL || work == NULL) {
+        free(seq_first), free(unit_seq), free(work);
         return 1;
     }
-    for (int64_t seq = 0; seq < num_seqs; seq++)
-        for (int64_t t = seq_first[seq]; t < seq_first[seq + 1]; t++) task_seq[t] = seq;
-    *plan = (attention_plan){tasks, split, kv_heads, group, per_thread, per_part, products, team, seq_first, task_seq,
-                             work};
+    int64_t units = plan_units(unit_seq, tables, width, lens, num_seqs, kv_heads, window);
+    *plan = (attention_plan){tasks, units, split, kv_heads, group, per_thread, per_part, products, team, seq_first,
+                             unit_seq, work};
     return 0;
 }
 
-/* The planned tasks, then the merges, each an orphaned `omp for` shared by the calling
+/* The planned units, then the merges, each an orphaned `omp for` shared by the calling
    team (outside a parallel region, all done by the calling thread). */
 static void attend_shared(const attention_plan *plan, int dtype, const void *q, int64_t q_stride, const void *k,
                           const void *v, int64_t heads, int64_t head_dim, int64_t block_size, const int64_t *tables,
                           int64_t width, const int32_t *lens, int64_t num_seqs, float scale, int64_t window,
                           float softcap, void *out) {
     const int64_t group = plan->group, kv_heads = plan->kv_heads, split = plan->split, per_part = plan->per_part;
-    const int64_t *seq_first = plan->seq_first, *task_seq = plan->task_seq;
-    float *mine = plan->work + thread_index() * plan->per_thread, *qf = mine + group * MAX_BLOCK + 8 * head_dim;
+    const int64_t *seq_first = plan->seq_first;
+    float *mine = plan->work + thread_index() * plan->per_thread;
+    float *qf = mine + group * MAX_BLOCK + 8 * head_dim + MAX_BLOCK * head_dim;
     float *results = plan->work + plan->per_thread * plan->team;
 #pragma omp for schedule(static)
-    for (int64_t task = 0; task < plan->tasks; task++) {
-        int64_t seq = task_seq[task], len = lens[seq], count = partitions(len, window);
-        int64_t kv_head = (task - seq_first[seq]) / count, part = (task - seq_first[seq]) % count;
-        int64_t first = first_key(len, window) + part * PARTITION;
-        int64_t end = first + PARTITION < len ? first + PARTITION : len;
-        for (int64_t h = 0; h < group; h++)
-            widen_row(dtype, q, seq * q_stride + (kv_head * group + h) * head_dim, head_dim, qf + h * head_dim);
-        float *result = results + task * per_part;
-        attend_range(dtype, qf, k, v, kv_heads / split, kv_head / split, head_dim, block_size, tables + seq * width,
-                     first, end, group, scale, softcap, result, result + group * head_dim,
-                     result + group * head_dim + group, mine);
+    for (int64_t u = 0; u < plan->units; u++) {
+        const int64_t *unit = plan->unit_seq + 4 * u;
+        const int64_t kv_head = unit[2], part = unit[3];
+        query_state queries[TILE_ROWS];
+        int count = 0;
+        int64_t first = 0;
+        for (int64_t seq = unit[0]; seq < unit[0] + unit[1]; seq++) {
+            int64_t len = lens[seq], parts = partitions(len, window);
+            if (part >= parts) continue;  /* a shorter row of the run: no such partition */
+            first = first_key(len, window) + part * PARTITION;  /* the same for every row of a run */
+            float *qr = qf + count * group * head_dim, *result = results + (seq_first[seq] + kv_head * parts + part) * per_part;
+            for (int64_t h = 0; h < group; h++)
+                widen_row(dtype, q, seq * q_stride + (kv_head * group + h) * head_dim, head_dim, qr + h * head_dim);
+            queries[count++] = (query_state){qr, result, result + group * head_dim, result + group * head_dim + group,
+                                             first + PARTITION < len ? first + PARTITION : len};
+        }
+        attend_range(dtype, queries, count, k, v, kv_heads / split, kv_head / split, head_dim, block_size,
+                     tables + unit[0] * width, first, group, scale, softcap, mine);
     }
 #pragma omp for schedule(static)
     for (int64_t pair = 0; pair < num_seqs * kv_heads; pair++) {
@@ -364,7 +472,9 @@ int paged_decode_attention(int dtype, const void *q, int64_t q_stride, const voi
                            int64_t width, const int32_t *lens, int64_t num_seqs, float scale, int64_t window,
                            float softcap, void *out, int threads) {
     attention_plan plan;
-    if (plan_attention(&plan, dtype, heads, kv_heads, head_dim, block_size, lens, num_seqs, window, threads)) return 1;
+    if (plan_attention(&plan, dtype, heads, kv_heads, head_dim, block_size, tables, width, lens, num_seqs, window,
+                       threads))
+        return 1;
 #pragma omp parallel num_threads(threads) if (plan.products >= SERIAL_WORK)  /* below, a team costs more than it saves */
     attend_shared(&plan, dtype, q, q_stride, k, v, heads, head_dim, block_size, tables, width, lens, num_seqs, scale,
                   window, softcap, out);

@@ -100,8 +100,8 @@ int decode_layers(const decoder_layers *m, float *x, int64_t M, const float *cos
                   float *attn, float *gate_up, void *work, int threads) {
     if (!rotation_takes(m->head_dim, slots, M, m->num_slots)) return 1;
     attention_plan plan;
-    if (plan_attention(&plan, DT_FLOAT32, m->heads, m->kv_heads, m->head_dim, m->block_size, lens, M, m->window,
-                       threads))
+    if (plan_attention(&plan, DT_FLOAT32, m->heads, m->kv_heads, m->head_dim, m->block_size, tables, width, lens, M,
+                       m->window, threads))
         return 1;
 #pragma omp parallel num_threads(threads)
     for (int64_t layer = 0; layer < m->layers; layer++)

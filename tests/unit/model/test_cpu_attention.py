@@ -80,6 +80,25 @@ def test_a_rows_result_depends_only_on_its_own_context(dtype):
         assert torch.equal(alone[0], batch[row])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 40])
+def test_a_prompts_queries_tiled_equal_each_query_alone(dtype, window):
+    """A prompt's consecutive queries as decode rows (one block table, lengths one apart) are
+    attended in tiles sharing each block's reads: bit for bit what each row gives alone,
+    across partitions (runs that start mid-partition, rows with fewer partitions than the
+    tile's last), beside another sequence's rows, and under a window (no tiles)."""
+    q, k, v, tables, _ = _case(dtype, [300] * 2, heads=9, kv_heads=3)
+    span = list(range(230, 300))  # 70 queries: the tile crossing 256 keys holds rows of 1 and 2 partitions
+    rows = [(0, n) for n in span[:33]] + [(1, 77), (1, 3)] + [(0, n) for n in span[33:]]
+    table_rows = torch.stack([tables[seq] for seq, _ in rows])
+    lens = torch.tensor([n for _, n in rows], dtype=torch.int32)
+    queries = torch.randn(len(rows), 9, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    together = _run(queries, k, v, table_rows, lens, 0.125, window)
+    for row in range(len(rows)):
+        alone = _run(queries[row : row + 1], k, v, table_rows[row : row + 1], lens[row : row + 1], 0.125, window)
+        assert torch.equal(alone[0], together[row]), row
+
+
 def test_strided_queries_and_refusals():
     q, k, v, tables, lens = _case(torch.float32, [9, 40])
     packed = torch.cat((q, torch.randn(2, 2, 64)), dim=1)  # q heads beside k heads, as the direct forward has them
