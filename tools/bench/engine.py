@@ -58,7 +58,7 @@ from workers.model import cpu_linear
 from workers.model.attention import register_paged_attention
 from workers.model.cpu_attention import cpu_decode_attention
 from workers.model.fused_projections import fuse_sibling_projections
-from workers.model.loader import load_model
+from workers.model.loader import LoadedModel, load_model
 from workers.serving.host_memory import keep_freed_memory
 
 PROMPT = "Write a long story about a robot who learns to paint."
@@ -424,14 +424,15 @@ def run_lora(args, loaded) -> None:
 
 
 def run_deterministic(args, loaded) -> None:
-    """The offline load with `engine.deterministic` off and on (a second copy of the model:
-    the mode wraps its layers in place), alternating rounds; the median of each shown."""
+    """The offline load with `engine.deterministic` off and on (a second copy of the model,
+    loaded again: the mode wraps its layers in place, and packed weights cannot be deep-
+    copied), alternating rounds; the median of each shown."""
     messages = [{"role": "user", "content": args.prompt}]
     prompt_ids = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                       return_dict=False)
     config = served_model_config(args.config)
     engines = {}
-    for flag, model in ((False, loaded.model), (True, copy.deepcopy(loaded.model))):
+    for flag, model in ((False, loaded.model), (True, load_as_asked(args).model)):
         engine_config = config.engine.model_copy(update={"deterministic": flag})
         engines[flag] = configured_engine(model, config.model_copy(update={"engine": engine_config}))
         offline_level(engines[flag], prompt_ids, 1, 1, 4)  # warm-up
@@ -609,6 +610,17 @@ def run_fairness(args, loaded) -> None:
               f"(max {worst:7.1f} ms; its prefill in {chunks} chunk(s))", flush=True)
 
 
+def load_as_asked(args) -> LoadedModel:
+    """The model as the command line asks (packed and fused unless a variant is measured)."""
+    ab_test = args.command in ("packing", "fusion")  # these build their own variants
+    loaded = load_model(args.source, dtype=args.dtype, pack_cpu_weights=not (args.no_pack or ab_test),
+                        fuse_projections=not (args.no_fuse or args.command == "fusion"),
+                        quantization=args.quantization, quantized_activations=args.quantized_activations)
+    if args.command != "decode":
+        loaded.model.set_attn_implementation(register_paged_attention())
+    return loaded
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--source", default="builtin:smollm2-135m-instruct")
@@ -693,12 +705,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.threads:
         torch.set_num_threads(args.threads)
-    ab_test = args.command in ("packing", "fusion")  # these build their own variants
-    loaded = load_model(args.source, dtype=args.dtype, pack_cpu_weights=not (args.no_pack or ab_test),
-                        fuse_projections=not (args.no_fuse or args.command == "fusion"),
-                        quantization=args.quantization, quantized_activations=args.quantized_activations)
-    if args.command != "decode":
-        loaded.model.set_attn_implementation(register_paged_attention())
+    loaded = load_as_asked(args)
     commands = {"decode": run_decode, "packing": run_packing, "fusion": run_fusion, "offline": run_offline,
                 "prefix": run_prefix, "fairness": run_fairness, "lora": run_lora, "direct": run_direct,
                 "attention": run_attention, "deterministic": run_deterministic, "fused": run_fused}

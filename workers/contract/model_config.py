@@ -62,11 +62,15 @@ class EngineConfig(_Strict):
     async_scheduling: bool = Field(
         True, description="cuda: launch the next decode step before this one's tokens are read back, so the "
         "host's work overlaps the device's (plain decodes only); false: one step at a time")
-    deterministic: bool = Field(
-        False, description="cpu: a sequence's logits depend only on its own tokens, never on the batch around it, "
+    deterministic: bool | None = Field(
+        None, description="cpu: a sequence's logits depend only on its own tokens, never on the batch around it, "
         "its prompt's chunking or a prefix-cache hit: linears with one reduction order per row whatever the batch "
         "(in row slices whose size a load-time probe finds invariant on this CPU), every prompt span attended by the "
-        "decode kernel (workers/model/batch_invariant.py); costs in docs/BENCHMARKS.md")
+        "decode kernel (workers/model/batch_invariant.py). null: on where it costs nothing measurable, a CPU model "
+        "whose linear layers all keep their weights in quantized blocks with 8-bit activations (quantization auto, "
+        "quantized_activations int8x2 or int8: the default model), with no LoRA and not split; off elsewhere (a float "
+        "checkpoint's row slices cost 1.13-1.15x in a long prompt's TTFT on a 2-core AVX2 CPU). Costs in "
+        "docs/BENCHMARKS.md")
     direct_forward: bool = Field(
         True, description="cpu: Llama, Mistral, Qwen2 and Qwen3 models run chatserve's own loop over their layers "
         "instead of transformers' modules (the same logits, fewer operators: the default model's decode step 1.3-1.4x "

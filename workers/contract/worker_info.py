@@ -18,6 +18,7 @@ class ModelInfo:
     fused_projections: int = 0  # groups of sibling projections (q/k/v, gate/up) run as one multiply each
     decode_attention: str = "sdpa"  # "triton" / "cpu": the paged kernel (CUDA / C on CPU); "sdpa": over a gather
     cuda_graph_max_batch: int = 0  # decode steps up to this batch replay CUDA graphs (0: none)
+    deterministic: bool = False  # batch-invariant: a sequence's tokens never depend on the batch (engine.deterministic)
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ class EngineLimits:
     cuda_graph_max_batch: int = 0  # CUDA: decode steps up to this batch replay graphs (0: off)
     async_scheduling: bool = False  # launch the next decode step before reading this one's tokens
     direct_forward: bool = True  # CPU: Llama-shaped models skip transformers' modules (direct_forward.py)
-    deterministic: bool = False  # CPU: batch-invariant linears and attention (workers/model/batch_invariant.py)
+    deterministic: bool | None = False  # CPU: batch-invariant linears and attention (workers/model/batch_invariant.py); None: where free
     lora: LoraLimits | None = None  # LoRA adapters served (None: no LoRA layers in the model)
     speculative: SpeculativeLimits | None = None  # speculative decoding (None: off)
 

@@ -20,6 +20,7 @@ class EngineDescription:
     dtype: str  # what the weights run in, e.g. "bfloat16"
     decode_attention: str  # "triton" / "cpu": the paged kernel (CUDA / C on CPU); "sdpa": over a gather
     cuda_graph_max_batch: int  # decode steps up to this batch replay CUDA graphs (0: none)
+    deterministic: bool = False  # batch-invariant (engine.deterministic, `null` resolved)
 
 
 @dataclass(frozen=True)

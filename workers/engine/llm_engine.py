@@ -6,6 +6,7 @@ in unit tests); workers/serving/async_engine.py puts it behind asyncio streams.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 
@@ -52,7 +53,8 @@ from workers.engine.resume import (
 )
 from workers.engine.scheduler import Scheduler, SchedulerConfig
 from workers.engine.step_recovery import StepRecovery
-from workers.model.batch_invariant import make_batch_invariant
+from workers.model.batch_invariant import invariant_for_free, make_batch_invariant
+from workers.model.cpu_attention import cpu_decode_attention
 from workers.model.cuda_graphs import DecodeGraphs
 from workers.model.kv_cache import PagedKVCache
 from workers.parallel.pipeline import StageLayers
@@ -83,6 +85,10 @@ class LLMEngine:
         first pipeline stage) is given; the other shards mirror its KV pool and run each
         step it sends them. `draft_model`: speculative method 'draft's proposer (the same
         tokenizer, on the same device)."""
+        if limits.deterministic is None:  # auto: on where it costs nothing (a CPU model in quantized blocks)
+            free = (device.type == "cpu" and shard_group is None and limits.lora is None
+                    and cpu_decode_attention() is not None and invariant_for_free(model))
+            limits = dataclasses.replace(limits, deterministic=free)
         self.limits = limits
         self.device = device
         self.eos_token_ids = eos_token_ids
@@ -283,6 +289,7 @@ class LLMEngine:
             dtype=str(self.runner.model.dtype).removeprefix("torch."),
             decode_attention=self.runner.decode_attention,
             cuda_graph_max_batch=graphs.max_batch if graphs else 0,
+            deterministic=bool(self.limits.deterministic),
         )
 
     @property

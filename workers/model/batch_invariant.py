@@ -69,6 +69,15 @@ def invariant_rows(layer: nn.Module, dtype: torch.dtype) -> int:
     return 1
 
 
+def invariant_for_free(model: nn.Module) -> bool:
+    """Whether the mode costs this model nothing measurable: every linear layer keeps its
+    weight in quantized blocks and multiplies 8-bit activations (each row summed on its
+    own, no slices), so only long prompts' attention changes path, and the tiled kernel
+    takes those at SDPA's speed (docs/BENCHMARKS.md)."""
+    linears = [m for m in model.modules() if isinstance(m, (PackedLinear, QuantizedLinear, nn.Linear))]
+    return bool(linears) and all(isinstance(m, QuantizedLinear) and m.levels for m in linears)
+
+
 def make_batch_invariant(model: nn.Module) -> int:
     """Swap every linear layer of `model` for a RowSliced one (float32 `nn.Linear`s packed
     for oneDNN first), in place, but for 8-bit quantized ones the probe finds invariant;

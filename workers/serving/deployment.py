@@ -226,6 +226,7 @@ class ModelWorker:
             fused_projections=self._fused_projections,
             decode_attention=engine.decode_attention,
             cuda_graph_max_batch=engine.cuda_graph_max_batch,
+            deterministic=engine.deterministic,
         )
 
     def stats(self, replica: str | None = None) -> WorkerStats:

@@ -153,3 +153,30 @@ def test_a_quantized_models_fused_layers_keep_the_mode(tmp_path, prompts, paged_
     assert target_run(fresh, vocab_prompts, True, neighbours=39) == alone
     assert target_run(fresh, vocab_prompts, True, neighbours=12, budget=37) == alone
     assert target_run(fresh, vocab_prompts, True, neighbours=5, cache_hit=True) == alone
+
+
+def test_unset_the_mode_is_on_only_where_it_costs_nothing(tmp_path, paged_attn_name):
+    """`deterministic: null`: on for a CPU model whose linears all keep quantized blocks with
+    8-bit activations (no slices: the fused layers stay whole); off for its float twin, for
+    float32 activations (dequantized products), and with LoRA slots."""
+    from tests.unit.model.test_quantized_weights import Q, _twin_pair
+    from workers.core.limits import LoraLimits
+    from workers.model.gguf_packing import keep_gguf_weights_packed
+
+    float_twin, quantized = _twin_pair(tmp_path / "m.gguf", Q.Q4_1)
+    exact = copy.deepcopy(quantized)
+    keep_gguf_weights_packed(quantized, tmp_path / "m.gguf", activations="int8x2")
+    keep_gguf_weights_packed(exact, tmp_path / "m.gguf", activations="float32")
+    for model in (float_twin, quantized, exact):
+        model.set_attn_implementation(paged_attn_name)
+
+    def mode(model, **limits) -> bool:
+        engine = make_engine(copy.deepcopy(model), deterministic=None, **limits)
+        assert engine.describe().deterministic == engine.limits.deterministic
+        return engine.limits.deterministic
+
+    assert mode(quantized) is True
+    assert not any(isinstance(m, RowSliced) for m in make_engine(copy.deepcopy(quantized), deterministic=None)
+                   .runner.model.modules())
+    assert mode(float_twin) is False and mode(exact) is False
+    assert mode(quantized, lora=LoraLimits(2, 8)) is False
