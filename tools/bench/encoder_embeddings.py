@@ -81,8 +81,6 @@ def serve_config(directory: Path, out: Path) -> Path:
     config["http_options"]["host"] = "127.0.0.1"
     spec = config["applications"][0]["args"]["models"][0]
     spec.update(id=MODEL_NAME, source=str(directory), runner="pooling")
-    for field in ("quantization", "quantized_activations", "speculative", "tool_call_parser", "reasoning_parser"):
-        spec.pop(field, None)
     path = out / "serve-encoder.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
