@@ -86,15 +86,29 @@ def wait_ready(url: str, timeout: float = 120, headers: dict[str, str] | None = 
     raise TimeoutError(f"{url} not ready after {timeout}s")
 
 
+# Read by the Ray processes ray.init starts (they inherit this process's environment):
+# - autoscaling metrics every 0.5 s instead of 10 s, so the autoscaling tests run in seconds;
+# - the replicas (where the tiny models run) at normal priority: at Ray's default nice 15
+#   they got ~3 % of a core whenever `make test`'s in-process part was busy on it, and this
+#   part, the longer one, waited on them (tools/run_tests.py lowers the other part instead);
+# - no task events and no event-loop stats: Ray's idle periodic work, as under `make serve`.
+TEST_CLUSTER_ENV = {
+    "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+    "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+    "RAY_worker_niceness": "0",
+    "RAY_task_events_report_interval_ms": "0",
+    "RAY_event_stats": "0",
+}
+
+
 @pytest.fixture(scope="session")
 def serve_instance():
     import ray
     from ray import serve
 
     port = free_port()
-    # Autoscaling metrics every 0.5 s instead of 10 s, so the autoscaling test runs in seconds.
-    for name in ("RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"):
-        os.environ.setdefault(name, "0.5")
+    for name, value in TEST_CLUSTER_ENV.items():
+        os.environ.setdefault(name, value)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield ServeInstance(f"http://127.0.0.1:{port}")

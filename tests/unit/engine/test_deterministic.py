@@ -17,6 +17,7 @@ from workers.contract.model_config import ModelConfig
 from workers.contract.sampling_params import SamplingParams
 from workers.core.limits import SpeculativeLimits
 from workers.model.batch_invariant import (
+    SLICE_CANDIDATES,
     RowSliced,
     invariant_rows,
     make_batch_invariant,
@@ -111,6 +112,17 @@ def test_row_slices_give_one_row_sums():
         singles = torch.cat([layer(x[i : i + 1]) for i in range(70)])
         assert torch.equal(sliced(x), singles) and torch.equal(sliced(x.view(7, 10, 48)), singles.view(7, 10, 80))
     assert rows in (64, 32, 8, 1)
+
+
+def test_a_layer_is_probed_once():
+    """A second engine on the same loaded model reuses the answer (the probe of a big
+    head takes seconds)."""
+    layer, calls = nn.Linear(8, 4), []
+    layer.register_forward_hook(lambda *_: calls.append(1))
+    first = invariant_rows(layer, torch.float32)
+    probed = len(calls)
+    assert probed > 64 and invariant_rows(layer, torch.float32) == first and len(calls) == probed
+    assert invariant_rows(nn.Linear(8, 4), torch.float32) in SLICE_CANDIDATES and len(calls) == probed
 
 
 def test_every_linear_is_wrapped_once():
