@@ -1,18 +1,13 @@
 """`make test`: the suite as two pytest processes at once, one for the tests that start Ray
-clusters, servers and subprocesses (often waiting on them) and one for the in-process tests
+clusters, servers and subprocesses (mostly waiting on them) and one for the in-process tests
 (one torch thread each: tests/conftest.py), so that both cores work; each one's output is
 printed whole when it ends, and the exit status fails if either part fails.
-
-The process part is the longer one, so the in-process part runs at a low priority (nice
-IN_PROCESS_NICENESS): it takes the CPU the process part leaves idle while that one waits,
-and yields the core when a replica or server of the other part has work.
 
     python -m tools.run_tests [extra pytest arguments, given to both parts]
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import tempfile
@@ -20,7 +15,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-IN_PROCESS_NICENESS = 10
 # What starts Ray clusters, servers or other processes (folders, or single files where the
 # rest of a folder is in-process); everything else under tests/ is in-process.
 PROCESS_TESTS = ("tests/serve", "tests/reliability", "tests/clients", "tests/e2e/test_default_model_e2e.py",
@@ -51,9 +45,7 @@ def main(argv: list[str]) -> int:
         for name, paths in split.items():
             log = open(Path(scratch) / f"{name}.log", "w+")
             command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths, *argv]
-            lower = (lambda: os.nice(IN_PROCESS_NICENESS)) if name == "in-process" else None
-            running[name] = (subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                              preexec_fn=lower), log)
+            running[name] = (subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT), log)
         failed = []
         for name, (process, log) in running.items():
             code = process.wait()

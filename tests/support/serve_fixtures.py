@@ -88,14 +88,11 @@ def wait_ready(url: str, timeout: float = 120, headers: dict[str, str] | None = 
 
 # Read by the Ray processes ray.init starts (they inherit this process's environment):
 # - autoscaling metrics every 0.5 s instead of 10 s, so the autoscaling tests run in seconds;
-# - the replicas (where the tiny models run) at normal priority: at Ray's default nice 15
-#   they got ~3 % of a core whenever `make test`'s in-process part was busy on it, and this
-#   part, the longer one, waited on them (tools/run_tests.py lowers the other part instead);
-# - no task events and no event-loop stats: Ray's idle periodic work, as under `make serve`.
+# - no task events and no event-loop stats: Ray's idle periodic work, as under `make serve`
+#   (an idle test cluster with one app took 7.1 % of the two cores with these, 8.2 % without).
 TEST_CLUSTER_ENV = {
     "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
     "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
-    "RAY_worker_niceness": "0",
     "RAY_task_events_report_interval_ms": "0",
     "RAY_event_stats": "0",
 }
