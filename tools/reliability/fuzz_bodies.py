@@ -160,7 +160,7 @@ PROMPTS = {
 @functools.cache
 def json_schema(model_cls: type) -> dict:
     """The model's JSON schema, built once: pydantic takes ~30 ms a build, and a draw needs
-    it up to three times (400 cases took 20 s). Read only: the strategies never edit it."""
+    it up to three times. Read only: the strategies never edit it."""
     return model_cls.model_json_schema()
 
 
