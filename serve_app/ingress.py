@@ -222,7 +222,7 @@ class ChatIngress(HandleAPI):
     @api.get("/v1/models")
     async def list_models(self, request: Request) -> Response:
         self.auth.check(request.headers)
-        cards = [await self._model_card(Target(model_id)) for model_id in self.workers]
+        cards = [await self._model_card(Target(model.id), name) for model in self.config.models for name in model.names]
         for adapter in await self.adapters.registered():
             cards.append(await self._model_card(Target(adapter.base_model, adapter.request)))
         return Response(ModelList(object="list", data=cards).dump_json(), media_type="application/json")
@@ -232,15 +232,17 @@ class ChatIngress(HandleAPI):
     async def retrieve_model(self, model: str, request: Request) -> Response:
         """One entry of /v1/models: a served model or a LoRA adapter of one; 404 otherwise."""
         self.auth.check(request.headers)
-        card = await self._model_card(await self.adapters.resolve(model))
+        card = await self._model_card(await self.adapters.resolve(model), model)
         return Response(card.dump_json(), media_type="application/json")
 
-    async def _model_card(self, target: Target) -> ModelCard:
+    async def _model_card(self, target: Target, name: str | None = None) -> ModelCard:
+        """`name`: the served name the card is for (a model may have several; adapters have their own)."""
         info = await self._info(target.base_model)
         card = dict(object="model", created=self.created, owned_by="chatserve", max_model_len=info.max_model_len)
         if target.lora is None:
-            return ModelCard(id=target.base_model, **card)
-        return ModelCard(id=target.lora.name, root=target.lora.path, parent=target.base_model, **card)
+            return ModelCard(id=name, **card)
+        parent = self.config.model(target.base_model).names[0]
+        return ModelCard(id=target.lora.name, root=target.lora.path, parent=parent, **card)
 
     @api.post("/v1/load_lora_adapter")
     async def load_lora_adapter(self, request: Request) -> Response:
@@ -436,7 +438,7 @@ class ChatIngress(HandleAPI):
     def _worker(self, model: str) -> WorkerChannels:
         transport = self.transports.get(model)
         if transport is None:
-            raise not_found_model(model, list(self.workers))
+            raise not_found_model(model, self.config.served_names())
         return transport
 
     async def _check_token_ids(self, model: str, params: SamplingParams) -> None:

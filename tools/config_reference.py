@@ -68,7 +68,8 @@ The KubeRay manifests hold a copy of each config's `applications:` block
 RULES = """\
 ## Rules between keys
 
-- `models[].id` must be unique.
+- `models[].id` must be unique, and so must every name clients pass as `model`: each model's
+  `served_model_name` entries (its `id` when unset) and its `lora.adapters` names.
 - `models[].device: cuda` needs `models[].deployment.ray_actor_options.num_gpus` > 0, and
   `device: cpu` with `num_gpus` > 0 is refused (it would hold a GPU it never uses).
 - `server.media.allowed_hosts` entries are hostnames or CIDRs (`10.0.0.0/8`).

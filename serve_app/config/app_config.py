@@ -92,7 +92,7 @@ class ServerOptions(BaseModel):
 class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     models: list[ModelConfig] = Field(
-        min_length=1, description="the served models, one worker deployment each; ids must be unique")
+        min_length=1, description="the served models, one worker deployment each; ids and served names must be unique")
     ingress: DeploymentConfig = Field(
         DeploymentConfig(max_ongoing_requests=1024), description="Ray Serve options of the ingress deployment")
     server: ServerOptions = Field(ServerOptions(), description="HTTP-side options: body size, API keys, images")
@@ -100,15 +100,24 @@ class AppConfig(BaseModel):
     @field_validator("models")
     @classmethod
     def _unique_ids(cls, models: list[ModelConfig]) -> list[ModelConfig]:
+        ids = [m.id for m in models]  # each names a worker deployment
+        if dupes := sorted({i for i in ids if ids.count(i) > 1}):
+            raise ValueError(f"model ids must be unique; repeated: {dupes}")
         # Clients name a model or a LoRA adapter the same way (`model`): one namespace.
-        ids = [m.id for m in models] + [name for m in models if m.lora for name in m.lora.adapters]
-        dupes = sorted({i for i in ids if ids.count(i) > 1})
-        if dupes:
-            raise ValueError(f"model ids and LoRA adapter names must be unique; repeated: {dupes}")
+        names = [n for m in models for n in m.names] + [name for m in models if m.lora for name in m.lora.adapters]
+        if dupes := sorted({n for n in names if names.count(n) > 1}):
+            raise ValueError(f"served model names and LoRA adapter names must be unique; repeated: {dupes}")
         return models
 
     def model(self, model_id: str) -> ModelConfig | None:
         return next((m for m in self.models if m.id == model_id), None)
+
+    def served(self, name: str) -> ModelConfig | None:
+        """The model a client's `model` names (one of its served_model_name), if any."""
+        return next((m for m in self.models if name in m.names), None)
+
+    def served_names(self) -> list[str]:
+        return [n for m in self.models for n in m.names]
 
 
 def parse_app_config(args: dict[str, Any]) -> AppConfig:

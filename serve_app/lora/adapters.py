@@ -53,13 +53,14 @@ class UnloadLoraAdapterRequest(BaseModel):
 
 @dataclass(frozen=True)
 class RegisteredAdapter:
-    base_model: str  # the served model id it adapts
+    base_model: str  # the id of the model it adapts
     request: LoraRequest
 
 
 @dataclass(frozen=True)
 class Target:
-    """What a request's `model` names: a served model, with one of its adapters or none."""
+    """What a request's `model` names: a served model (by its config id), with one of its
+    adapters or none."""
 
     base_model: str
     lora: LoraRequest | None = None
@@ -78,13 +79,13 @@ class AdapterCatalog:
 
     async def resolve(self, model: str) -> Target:
         """The target of `model`, or a 404 naming what is served."""
-        if self.config.model(model) is not None:
-            return Target(model)
+        if (served := self.config.served(model)) is not None:
+            return Target(served.id)
         if (target := self.configured.get(model)) is not None:
             return target
         entry: RegisteredAdapter | None = await self.registry.get.remote(model) if self.registry else None
         if entry is None:
-            raise not_found_model(model, [m.id for m in self.config.models] + list(self.configured))
+            raise not_found_model(model, self.config.served_names() + list(self.configured))
         return Target(entry.base_model, entry.request)
 
     async def registered(self) -> list[RegisteredAdapter]:
@@ -98,7 +99,7 @@ class AdapterCatalog:
             check_adapter_name(req.lora_name)
         except ValueError as exc:
             raise APIError(400, str(exc), param="lora_name") from None
-        if self.config.model(req.lora_name) is not None or req.lora_name in self.configured:
+        if self.config.served(req.lora_name) is not None or req.lora_name in self.configured:
             raise APIError(400, f"the name {req.lora_name!r} is already a served model", param="lora_name")
         base = self._base_model(req.base_model)
         try:
@@ -127,12 +128,12 @@ class AdapterCatalog:
                 raise APIError(400, f"base_model is required: the models that serve LoRA adapters are {with_lora}",
                                param="base_model")
             return with_lora[0]
-        if self.config.model(requested) is None:
-            raise not_found_model(requested, [m.id for m in self.config.models])
-        if requested not in with_lora:
+        if (served := self.config.served(requested)) is None:
+            raise not_found_model(requested, self.config.served_names())
+        if served.id not in with_lora:
             raise APIError(400, f"the model {requested!r} serves no LoRA adapters (its config has no `lora`)",
                            param="base_model")
-        return requested
+        return served.id
 
 
 @serve.deployment(name="LoraRegistry", num_replicas=1, ray_actor_options={"num_cpus": 0})

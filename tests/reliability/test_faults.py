@@ -41,15 +41,6 @@ from workers.serving.deployment import ModelWorker
 BODY = {"model": TINY_MODEL_ID, "messages": [{"role": "user", "content": "Hello"}], "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def fault_app(serve_instance, tiny_model_dir):
-    serve.run(build_app(tiny_app_args(tiny_model_dir)), name="fault", route_prefix="/fault", blocking=False)
-    url = serve_instance.url("/fault")
-    wait_ready(url)
-    yield url
-    delete_app("fault")  # (already gone when the graceful-shutdown test ran)
-
-
 def wait_for_replicas(app: str, deployment: str, replicas: int, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while running_replicas(app, deployment) != (replicas, replicas):
@@ -57,50 +48,11 @@ def wait_for_replicas(app: str, deployment: str, replicas: int, timeout_s: float
         time.sleep(0.5)
 
 
-def kill_worker_replica(app: str = "fault") -> None:
+def kill_worker_replica(app: str) -> None:
     prefix = f"SERVE_REPLICA::{app}#{worker_deployment_name(TINY_MODEL_ID)}#"
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
     assert names, "no worker replica found"
     ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
-
-
-def test_a_stream_outlives_its_killed_worker_replica(fault_app):
-    """The app's only worker replica is killed mid-stream: the stream pauses until Serve's
-    replacement is up, then goes on; the client sees the answer of an uninterrupted run."""
-    body = {**BODY, "max_tokens": 240, "temperature": 0}
-    reference = chat_text(fault_app, body)
-    with httpx.stream("POST", fault_app + "/v1/chat/completions", json={**body, "stream": True},
-                      timeout=120) as resp:
-        lines = resp.iter_lines()
-        first = next(lines)
-        assert first.startswith("data: ")
-        kill_worker_replica()
-        rest = [line for line in lines if line]
-    assert rest[-1] == "data: [DONE]"
-    events = [json.loads(line[6:]) for line in [first, *rest[:-1]]]
-    assert not [e for e in events if "error" in e], events[-1]
-    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == reference
-    assert events[-1]["choices"][0]["finish_reason"] == "length"
-    resp = httpx.post(fault_app + "/v1/chat/completions", json={**BODY, "max_tokens": 3}, timeout=60)
-    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
-
-
-def test_graceful_shutdown_lets_a_running_stream_finish(fault_app):
-    """The fault app's last test (an app deploy fewer): the app is deleted while a stream runs."""
-    import threading
-
-    body = {**BODY, "max_tokens": 240, "stream": True}
-    with httpx.stream("POST", fault_app + "/v1/chat/completions", json=body, timeout=60) as resp:
-        lines = resp.iter_lines()
-        assert next(lines).startswith("data: ")
-        deleter = threading.Thread(target=serve.delete, args=("fault",))
-        deleter.start()  # shutdown begins while the stream runs
-        rest = [line for line in lines if line]
-    deleter.join(timeout=60)
-    assert rest[-1] == "data: [DONE]"
-    finishes = [json.loads(line[6:])["choices"][0].get("finish_reason") for line in rest[:-1]
-                if json.loads(line[6:]).get("choices")]
-    assert finishes[-1] == "length"  # the whole answer, not an error
 
 
 # ------------------------------------------------------------------ faults under load
@@ -238,7 +190,7 @@ def test_a_killed_ingress_replica_cuts_only_its_own_streams(two_replica_app):
 def test_scale_down_and_a_redeploy_under_load_affect_no_request(two_replica_app, wide_model_dir):
     """2 -> 1 worker replicas, then a redeploy that replaces the worker (a changed engine
     option), each while 8 streams run: the leaving replica hands its requests over at once.
-    The last test of the two-replica app (the module's order)."""
+    Leaves the app at one worker replica for the next two tests (the module's order)."""
     worker = worker_deployment_name(TINY_MODEL_ID)
     bodies = [{**BODY, "messages": [{"role": "user", "content": f"Story {i}"}], "max_tokens": 200,
                "temperature": 0, "stream": True} for i in range(8)]
@@ -257,7 +209,46 @@ def test_scale_down_and_a_redeploy_under_load_affect_no_request(two_replica_app,
         assert all(not o["errors"] and o["finish"] == {0: "length"} for o in outputs), \
             [o["errors"] for o in outputs if o["errors"]]
         wait_for_replicas("faults2", worker, changes["workers"])
-    # The two-replica app's last test: it is left at one worker replica (no redeploy back).
+
+
+def test_a_stream_outlives_its_killed_only_worker_replica(two_replica_app):
+    """The app's only worker replica (one since the scale-down above) is killed mid-stream:
+    the stream pauses until Serve's replacement is up, then goes on; the client sees the
+    answer of an uninterrupted run."""
+    body = {**BODY, "max_tokens": 240, "temperature": 0}
+    reference = chat_text(two_replica_app, body)
+    with httpx.stream("POST", two_replica_app + "/v1/chat/completions", json={**body, "stream": True},
+                      timeout=120) as resp:
+        lines = resp.iter_lines()
+        first = next(lines)
+        assert first.startswith("data: ")
+        kill_worker_replica("faults2")
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]"
+    events = [json.loads(line[6:]) for line in [first, *rest[:-1]]]
+    assert not [e for e in events if "error" in e], events[-1]
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == reference
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    resp = httpx.post(two_replica_app + "/v1/chat/completions", json={**BODY, "max_tokens": 3}, timeout=60)
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
+
+
+def test_graceful_shutdown_lets_a_running_stream_finish(two_replica_app):
+    """The app's last test (an app deploy fewer): the app is deleted while a stream runs."""
+    import threading
+
+    body = {**BODY, "max_tokens": 240, "stream": True}
+    with httpx.stream("POST", two_replica_app + "/v1/chat/completions", json=body, timeout=60) as resp:
+        lines = resp.iter_lines()
+        assert next(lines).startswith("data: ")
+        deleter = threading.Thread(target=serve.delete, args=("faults2",))
+        deleter.start()  # shutdown begins while the stream runs
+        rest = [line for line in lines if line]
+    deleter.join(timeout=60)
+    assert rest[-1] == "data: [DONE]"
+    finishes = [json.loads(line[6:])["choices"][0].get("finish_reason") for line in rest[:-1]
+                if json.loads(line[6:]).get("choices")]
+    assert finishes[-1] == "length"  # the whole answer, not an error
 
 
 async def _after(delay_s: float, job):

@@ -108,15 +108,15 @@ SEED_004_LM_V2_STREAM = {"model": "service12345", "messages": [{"role": "user", 
 
 @pytest.fixture(scope="module")
 def seed_app(serve_instance, tmp_path_factory):
-    """The tiny model with a window large enough for the seeds' caps, served as the seeds' model names."""
+    """The tiny model with a window large enough for the seeds' caps, served under the seeds'
+    model names (one worker deployment: served_model_name)."""
     from ray import serve
 
     from serve_app.app import build_app
 
     model_dir = write_tiny_model_dir(tmp_path_factory.mktemp("seed_model"), max_position_embeddings=4200)
     args = tiny_app_args(model_dir, max_model_len=4200, kv_cache_memory_gib=0.02)
-    base = args["models"][0]
-    args["models"] = [dict(base, id=name) for name in (MODEL, "your-api-name", "service12345")]
+    args["models"][0].update(id="seed-model", served_model_name=[MODEL, "your-api-name", "service12345"])
     serve.run(build_app(args), name="seeds", route_prefix="/seeds", blocking=False)
     url = serve_instance.url("/seeds")
     wait_ready(url, timeout=180)
@@ -139,6 +139,17 @@ def check_chat_completion(body: dict, model: str, cap: int) -> None:
     assert 1 <= usage["completion_tokens"] <= cap
     assert body["prefill_time"] > 0  # MindIE extras (seed 001 response samples)
     assert len(body["decode_time_arr"]) == usage["completion_tokens"] - 1
+
+
+def test_each_served_name_is_listed_and_reaches_the_one_model(seed_app):
+    names = [MODEL, "your-api-name", "service12345"]
+    listed = httpx.get(seed_app + "/v1/models", timeout=30).json()["data"]
+    assert [card["id"] for card in listed] == names
+    assert len({card["max_model_len"] for card in listed}) == 1
+    assert httpx.get(f"{seed_app}/v1/models/service12345", timeout=30).json()["id"] == "service12345"
+    # The config id is not a served name once served_model_name is set.
+    missing = httpx.post(seed_app + "/v1/chat/completions", json={**SEED_004_LM_V2, "model": "seed-model"}, timeout=30)
+    assert missing.status_code == 404 and all(name in missing.json()["error"]["message"] for name in names)
 
 
 def test_seed_001_single_turn(seed_app):

@@ -203,27 +203,54 @@ def reference(case, lora: bool = False) -> dict:
     return workload(engine, tokenizer, adapters)
 
 
-def run_rank(shard: int, split: str, init_method: str, results) -> None:
-    """One spawned process: every case of `split` (a key of SPLITS) in turn, on one group."""
+def process_placements() -> dict[str, int]:
+    """Each split's first process among max(world) spawned ones: the narrower splits side by
+    side (two 2-rank splits at once on 4 processes), the widest after them on all."""
+    widest = max(layout.world for layout, _ in SPLITS.values())
+    placements, next_free = {}, 0
+    for split, (layout, _) in SPLITS.items():
+        if layout.world == widest:
+            placements[split] = 0
+            continue
+        if next_free + layout.world > widest:
+            next_free = 0
+        placements[split], next_free = next_free, next_free + layout.world
+    return placements
+
+
+def run_rank(process: int, init_methods: dict[str, str], results) -> None:
+    """Spawned process number `process`: its rank in each split that process_placements puts
+    it in, one split after the other (a key of `init_methods` each, on a group of its own);
+    each case's outputs go to `results` as (split, case name, outputs). One set of processes
+    for every split: each one's start (torch, transformers) costs seconds of CPU."""
     try:
         torch.set_num_threads(1)
         micro_batches.MIN_MICRO_BATCH_TOKENS = 1  # so that these small steps are cut too
-        layout, cases = SPLITS[split]
-        group = ShardGroup(shard, layout, init_method, CPU, timeout_s=60)
-        for name, build, budget, pack in cases:
-            model, tokenizer = build()
-            stage = None
-            if layout.stages > 1:
-                stage = StageLayers.of(group.stage, layout.stages, model.config.num_hidden_layers)
-            adapters = random_adapters(model)
-            part = prepared_part(model, group.position, pack, stage)
-            if group.is_driver:
-                engine = engine_for(part, budget, tokenizer, group, stage, lora=True)
-                results.put((name, workload(engine, tokenizer, adapters)))
-                engine.close()
-            else:
-                ShardLoop(part, group, CPU, stage).run()
-        group.close()
+        placements = process_placements()
+        for split, init_method in init_methods.items():
+            layout, cases = SPLITS[split]
+            shard = process - placements[split]
+            if 0 <= shard < layout.world:
+                _run_split(shard, split, layout, cases, init_method, results)
     except BaseException:  # noqa: BLE001 - the test reads what went wrong
-        results.put(("error", f"shard {shard}: {traceback.format_exc()}"))
+        results.put(("error", None, f"process {process}: {traceback.format_exc()}"))
         raise
+
+
+def _run_split(shard: int, split: str, layout: ShardLayout, cases, init_method: str, results) -> None:
+    # 120 s: the widest split's group forms once its processes' earlier splits are done.
+    group = ShardGroup(shard, layout, init_method, CPU, timeout_s=120)
+    for name, build, budget, pack in cases:
+        model, tokenizer = build()
+        stage = None
+        if layout.stages > 1:
+            stage = StageLayers.of(group.stage, layout.stages, model.config.num_hidden_layers)
+        adapters = random_adapters(model)
+        part = prepared_part(model, group.position, pack, stage)
+        if group.is_driver:
+            engine = engine_for(part, budget, tokenizer, group, stage, lora=True)
+            results.put((split, name, workload(engine, tokenizer, adapters)))
+            engine.close()
+        else:
+            ShardLoop(part, group, CPU, stage).run()
+    group.close()

@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 BUILTIN_DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
 # The output cap of a request that names none. vLLM has none (the rest of the window), so a
@@ -349,7 +349,12 @@ class PoolerConfig(BaseModel):
 
 
 class ModelConfig(_Strict):
-    id: str = Field(min_length=1, description="the name clients pass as `model`")
+    id: str = Field(min_length=1, description="the model's name in the config, its deployment and /metrics; the "
+                    "name clients pass as `model` unless served_model_name is set")
+    served_model_name: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        None, min_length=1, description="the names clients pass as `model` (vLLM's --served-model-name; a name or a "
+        "list): each one reaches this model and is listed by /v1/models; responses name the one asked for; "
+        "default: [id]")
     source: str = Field(
         BUILTIN_DEFAULT_MODEL,
         description="a transformers model directory, a .gguf file, a Hugging Face Hub id (org/name or "
@@ -439,8 +444,8 @@ class ModelConfig(_Strict):
                 raise ValueError(f"device 'cuda' needs {where}.ray_actor_options.num_gpus > 0")
             if self.device == "cpu" and gpus:
                 raise ValueError(f"device 'cpu' with {where}.ray_actor_options.num_gpus > 0 wastes a GPU")
-        if self.lora is not None and self.id in self.lora.adapters:
-            raise ValueError(f"lora.adapters: adapter name {self.id!r} is the model's own id")
+        if self.lora is not None and (own := sorted(set(self.names) & set(self.lora.adapters))):
+            raise ValueError(f"lora.adapters: adapter names {own} are the model's own names")
         self._check_parallel(self.deployment.ray_actor_options.get("num_gpus", 0))
         self._check_disaggregation()
         self._check_deterministic()
@@ -465,6 +470,16 @@ class ModelConfig(_Strict):
             if present:
                 raise ValueError(f"engine.deterministic: not available with {what} (batch-invariant kernels are "
                                  "built for one CPU device, without adapters)")
+
+    @field_validator("served_model_name", mode="before")
+    @classmethod
+    def _one_name_or_a_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @property
+    def names(self) -> list[str]:
+        """The names clients pass as `model` for this model (the first is its name in listings of adapters)."""
+        return self.served_model_name or [self.id]
 
     @property
     def decode_deployment(self) -> WorkerDeploymentConfig:

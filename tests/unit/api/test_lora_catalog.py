@@ -67,6 +67,21 @@ def test_models_and_configured_adapters_resolve_without_the_registry(adapter_dir
     assert "['base', 'other', 'fixed']" in info.value.message
 
 
+def test_served_model_names_resolve_to_their_models_id(adapter_dir):
+    config = AppConfig.model_validate({"models": [
+        {"id": "base", "served_model_name": ["org/base", "b"], "lora": {"adapter_dir": str(adapter_dir)}},
+        {"id": "other"},
+    ]})
+    catalog = AdapterCatalog(config, FakeRegistry())
+    assert run(catalog.resolve("org/base")) == run(catalog.resolve("b")) == Target("base")
+    with pytest.raises(APIError, match=r"\['org/base', 'b', 'other'\]"):
+        run(catalog.resolve("base"))  # the id, not a served name
+    # A load names its base model by a served name; an adapter cannot take one.
+    assert catalog.load_target(LoadLoraAdapterRequest(lora_name="sql", lora_path="sql", base_model="b"))[0] == "base"
+    with pytest.raises(APIError, match="already a served model"):
+        catalog.load_target(LoadLoraAdapterRequest(lora_name="org/base", lora_path="sql"))
+
+
 def test_load_resolve_list_unload(adapter_dir):
     catalog = _catalog(adapter_dir)
     base, path = catalog.load_target(LoadLoraAdapterRequest(lora_name="sql", lora_path="sql"))

@@ -79,6 +79,21 @@ def test_duplicate_model_ids_rejected():
         parse_app_config(args)
 
 
+def test_served_model_names_are_one_namespace_with_ids_unset_and_adapters():
+    args = good_args()
+    args["models"][0]["served_model_name"] = "alias"  # one name or a list
+    config = parse_app_config(args)
+    assert config.models[0].names == ["alias"] and config.served("alias") is config.models[0]
+    assert config.served("tiny") is None  # the id is the config's name once served names are set
+    assert config.served_names() == ["alias", *config.models[1].names]
+    args["models"][0]["served_model_name"] = ["alias", config.models[1].id]
+    with pytest.raises(ConfigError, match=rf"repeated: \['{config.models[1].id}'\]"):
+        parse_app_config(args)
+    args["models"][0]["served_model_name"] = []
+    with pytest.raises(ConfigError, match="models.0.served_model_name"):
+        parse_app_config(args)
+
+
 def test_no_models_rejected():
     with pytest.raises(ConfigError, match="models"):
         parse_app_config({"models": []})

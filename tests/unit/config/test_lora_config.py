@@ -18,7 +18,7 @@ def test_defaults_and_limits():
 
 @pytest.mark.parametrize("lora, message", [
     ({"adapters": {"bad name": "/a"}}, "adapter name 'bad name' must be"),
-    ({"adapters": {"m": "/a"}}, "adapter name 'm' is the model's own id"),
+    ({"adapters": {"m": "/a"}}, r"adapter names \['m'\] are the model's own names"),
     ({"max_loras": 0}, "greater than or equal to 1"),
     ({"max_lora_rank": 1024}, "less than or equal to 512"),
     ({"adapter_dir": ""}, "at least 1 character"),

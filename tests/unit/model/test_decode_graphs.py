@@ -128,8 +128,18 @@ def _engine(model, graphs: bool, num_blocks: int, lora: LoraLimits | None = None
     return engine, calls
 
 
+@pytest.fixture
+def few_splits(monkeypatch):
+    """The interpreted kernel with a small grid: split-K decode is the kernel test's subject
+    (tests/unit/model/test_triton_attention.py); here each interpreted step costs ~6x less
+    (the two tests 33 s -> 5 s) and still splits small batches."""
+    from workers.model import triton_attention
+
+    monkeypatch.setattr(triton_attention, "_CPU_SM_COUNT", 4)
+
+
 @pytest.mark.skipif(not INTERPRETED, reason="run in a child by test_graph_runner_under_interpreter")
-def test_interpreted_graph_steps_match_the_sdpa_engine():
+def test_interpreted_graph_steps_match_the_sdpa_engine(few_splits):
     """Fused projections (the default) only: separate ones feed the same static buffers
     through more layers, and each interpreted run costs ~15 s of the suite."""
     import copy
@@ -160,7 +170,7 @@ def test_interpreted_graph_steps_match_the_sdpa_engine():
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="run in a child by test_graph_runner_under_interpreter")
-def test_interpreted_lora_graph_steps_match_the_eager_lora_engine(tmp_path):
+def test_interpreted_lora_graph_steps_match_the_eager_lora_engine(tmp_path, few_splits):
     """Graph decode steps read each row's adapter slot from the static input buffer: rows of
     three adapters and of none in one replay give the eager (segment) path's tokens."""
     import copy

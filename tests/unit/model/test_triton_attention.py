@@ -38,7 +38,7 @@ def test_kernel_under_interpreter():
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", __file__]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
-    assert "21 passed" in result.stdout, result.stdout[-2000:]  # every kernel case ran
+    assert "18 passed" in result.stdout, result.stdout[-2000:]  # every kernel case ran
 
 
 @pytest.mark.skipif(INTERPRETED, reason="needs a process without the interpreter")
@@ -85,18 +85,18 @@ def rel_err(out, ref):
 CONTEXTS = [1, 16, 150, 37, 64, 129]
 
 
+SHAPES = [(4, 64, torch.float32, 1e-5), (1, 64, torch.float32, 1e-5), (4, 80, torch.float32, 1e-5),
+          (4, 64, torch.float16, 1e-3), (1, 80, torch.float16, 1e-3)]
+
+
 @interpreted_only
 @pytest.mark.parametrize(
-    "group, head_dim, dtype, tol",
-    [
-        (4, 64, torch.float32, 1e-5),
-        (1, 64, torch.float32, 1e-5),
-        (4, 80, torch.float32, 1e-5),
-        (4, 64, torch.float16, 1e-3),
-        (1, 80, torch.float16, 1e-3),
-    ],
+    "group, head_dim, dtype, tol, splits",
+    # Every shape whole and in 3 context ranges (a context of 1 leaves two ranges empty);
+    # None: the count from the batch size (16 here: a small batch) for one shape per dtype,
+    # since each of those costs ~3 s interpreted.
+    [(*shape, splits) for shape in SHAPES for splits in (1, 3)] + [(*SHAPES[0], None), (*SHAPES[4], None)],
 )
-@pytest.mark.parametrize("splits", [1, 3, None])  # None: from the batch size (16 here: a small batch)
 def test_matches_dense_reference(group, head_dim, dtype, tol, splits):
     query, k_cache, v_cache, tables, lens = make_case(CONTEXTS, 2, group, head_dim, dtype)
     scale = head_dim**-0.5
@@ -109,7 +109,7 @@ def test_matches_dense_reference(group, head_dim, dtype, tol, splits):
 
 
 @interpreted_only
-@pytest.mark.parametrize("window,softcap,splits", [(7, None, 1), (70, None, None), (None, 2.0, 1), (40, 1.5, None)])
+@pytest.mark.parametrize("window,softcap,splits", [(7, None, 1), (70, None, 3), (None, 2.0, 1), (40, 1.5, None)])
 def test_sliding_window_and_softcap(window, softcap, splits):
     query, k_cache, v_cache, tables, lens = make_case(CONTEXTS, 2, 4, 64, torch.float32, seed=2)
     out = ta.paged_decode_attention(query, k_cache, v_cache, tables, lens, BLOCK_SIZE, 0.125, num_splits=splits,

@@ -25,41 +25,42 @@ from workers.parallel.sliced_load import load_split_model
 from workers.parallel.tensor_split import TensorSplitError
 
 
-def _split_outputs(split: str, while_they_run) -> dict[str, dict]:
-    """Each case's outputs from the split processes; `while_they_run()` runs here while
-    they start (their imports take seconds)."""
-    layout, cases = SPLITS[split]
+@pytest.fixture(scope="module")
+def split_runs() -> tuple[dict[str, dict], dict[str, dict]]:
+    """(references, outputs), each {split: {case name: outputs}}: every split's cases run by
+    one set of spawned processes (as many as the widest split), the references here while
+    they run (their imports take seconds)."""
+    world = max(layout.world for layout, _ in SPLITS.values())
     context = mp.get_context("spawn")
     results = context.Queue()
-    init_method = free_init_method()
-    ranks = [context.Process(target=run_rank, args=(shard, split, init_method, results))
-             for shard in range(layout.world)]
+    init_methods = {split: free_init_method() for split in SPLITS}
+    ranks = [context.Process(target=run_rank, args=(shard, init_methods, results)) for shard in range(world)]
     for process in ranks:
         process.start()
-    outputs: dict[str, dict] = {}
+    expected = sum(len(cases) for _, cases in SPLITS.values())
+    outputs: dict[str, dict] = {split: {} for split in SPLITS}
     try:
-        while_they_run()
-        while len(outputs) < len(cases):
-            name, value = results.get(timeout=240)
-            assert name != "error", value
-            outputs[name] = value
+        references = {split: {case[0]: reference(case, lora=True) for case in cases}
+                      for split, (_, cases) in SPLITS.items()}
+        for _ in range(expected):
+            split, name, value = results.get(timeout=240)
+            assert split != "error", value
+            outputs[split][name] = value
     except queue.Empty:
-        pytest.fail(f"the split run gave {sorted(outputs)} of {len(cases)} cases within the time")
+        pytest.fail(f"the split runs gave {sum(map(len, outputs.values()))} of {expected} cases within the time")
     finally:
         for process in ranks:
             process.join(timeout=60)
             if process.is_alive():
                 process.kill()
     assert all(process.exitcode == 0 for process in ranks)
-    return outputs
+    return references, outputs
 
 
 @pytest.mark.parametrize("split", list(SPLITS))
-def test_a_split_model_gives_the_whole_models_tokens_and_logprobs(split):
+def test_a_split_model_gives_the_whole_models_tokens_and_logprobs(split, split_runs):
     cases = SPLITS[split][1]
-    references: dict[str, dict] = {}
-    outputs = _split_outputs(split, lambda: references.update({case[0]: reference(case, lora=True)
-                                                                 for case in cases}))
+    references, outputs = split_runs[0][split], split_runs[1][split]
     for case in cases:
         name = case[0]
         want, got = references[name], outputs[name]
