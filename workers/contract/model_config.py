@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -351,7 +351,7 @@ class PoolerConfig(BaseModel):
 class ModelConfig(_Strict):
     id: str = Field(min_length=1, description="the model's name in the config, its deployment and /metrics; the "
                     "name clients pass as `model` unless served_model_name is set")
-    served_model_name: list[Annotated[str, Field(min_length=1)]] | None = Field(
+    served_model_name: list[str] | None = Field(
         None, min_length=1, description="the names clients pass as `model` (vLLM's --served-model-name; a name or a "
         "list): each one reaches this model and is listed by /v1/models; responses name the one asked for; "
         "default: [id]")
@@ -474,7 +474,10 @@ class ModelConfig(_Strict):
     @field_validator("served_model_name", mode="before")
     @classmethod
     def _one_name_or_a_list(cls, value: Any) -> Any:
-        return [value] if isinstance(value, str) else value
+        names = [value] if isinstance(value, str) else value
+        if isinstance(names, list) and "" in names:
+            raise ValueError("a served model name cannot be empty")
+        return names
 
     @property
     def names(self) -> list[str]:

@@ -89,9 +89,10 @@ def test_served_model_names_are_one_namespace_with_ids_unset_and_adapters():
     args["models"][0]["served_model_name"] = ["alias", config.models[1].id]
     with pytest.raises(ConfigError, match=rf"repeated: \['{config.models[1].id}'\]"):
         parse_app_config(args)
-    args["models"][0]["served_model_name"] = []
-    with pytest.raises(ConfigError, match="models.0.served_model_name"):
-        parse_app_config(args)
+    for empty in ([], ["alias", ""]):
+        args["models"][0]["served_model_name"] = empty
+        with pytest.raises(ConfigError, match="models.0.served_model_name"):
+            parse_app_config(args)
 
 
 def test_no_models_rejected():
