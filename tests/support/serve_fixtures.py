@@ -97,6 +97,15 @@ TEST_CLUSTER_ENV = {
     "RAY_task_events_report_interval_ms": "0",
     "RAY_event_stats": "0",
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+    # Ray's log monitor streams worker output to drivers (the tests' log_to_driver is off); it
+    # re-lists the session's log files every 0.1 s below 1,000 files: 33 CPU-s of a suite
+    # run (an app deployed and deleted leaves its replicas' files). Every 5 s here.
+    "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
+    "LOG_NAME_UPDATE_INTERVAL_S": "5",
+    # The replicas at normal priority, as under `make serve` (Ray's default nice 15): beside
+    # the in-process half of `make test` they were starved (an app deploy 10 s alone, 40 s
+    # there), and this half is the longer one.
+    "RAY_worker_niceness": "0",
 }
 
 
