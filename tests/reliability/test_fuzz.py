@@ -9,33 +9,17 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from ray import serve
 
-from serve_app.app import build_app, worker_deployment_name
-from tests.support.serve_fixtures import (
-    TINY_MODEL_ID,
-    delete_app,
-    tiny_app_args,
-    wait_ready,
-    worker_stats,
-)
+from serve_app.app import worker_deployment_name
+from tests.support.serve_fixtures import TINY_MODEL_ID, worker_stats
 from tools.reliability.fuzz_bodies import generate_cases
 from tools.reliability.fuzz_harness import replica_actor_names, run_cases, wait_idle
 
-APP = "fuzz"
+# The session's app (an app deploy fewer): the cases must leave its engine clean (checked
+# below), and the later tests on it (test_hostile_inputs.py) read nothing of its prefix cache.
+APP = "tiny"
 CASES = 400
 SEED = 20261122
-
-
-@pytest.fixture(scope="module")
-def fuzz_app(serve_instance, tiny_model_dir):
-    """An app of its own: the fuzz bodies fill the prefix cache, which other tests of
-    the shared `tiny` app expect to hold only their own prompts."""
-    serve.run(build_app(tiny_app_args(tiny_model_dir)), name=APP, route_prefix=f"/{APP}", blocking=False)
-    url = serve_instance.url(f"/{APP}")
-    wait_ready(url)
-    yield url
-    delete_app(APP)
 
 
 @pytest.fixture(scope="module")
@@ -43,13 +27,13 @@ def cases():
     return generate_cases(CASES, SEED, TINY_MODEL_ID)
 
 
-def test_generated_bodies_get_no_5xx_and_leave_the_engine_clean(fuzz_app, cases):
+def test_generated_bodies_get_no_5xx_and_leave_the_engine_clean(tiny_app, cases):
     stats = lambda: worker_stats(APP, TINY_MODEL_ID)  # noqa: E731
     before = wait_idle(stats)
     replicas = replica_actor_names(APP)
     assert any(worker_deployment_name(TINY_MODEL_ID) in name for name in replicas)
 
-    report = run_cases(fuzz_app, cases)
+    report = run_cases(tiny_app, cases)
 
     assert len(report.outcomes) == CASES
     assert not report.problems, f"{len(report.problems)} problems, {report.statuses}:\n{report.describe_problems()}"
