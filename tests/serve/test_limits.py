@@ -23,32 +23,32 @@ from tests.support.serve_fixtures import (
 BODY = {"model": TINY_MODEL_ID, "messages": [{"role": "user", "content": "Hello"}], "ignore_eos": True}
 
 
-def deploy(serve_instance, name: str, args: dict) -> str:
-    serve.run(build_app(args), name=name, route_prefix=f"/{name}", blocking=False)
-    url = serve_instance.url(f"/{name}")
-    wait_ready(url)
-    return url
+TIMED_MODEL = "tiny-timed"  # the same tiny model under a 0.2 s request limit
 
 
 @pytest.fixture(scope="module")
-def small_queue_app(serve_instance, tiny_model_dir):
+def limits_app(serve_instance, tiny_model_dir):
+    """One app, two models: the tiny model behind a one-request worker with a one-request
+    queue, and the same model again with a 0.2 s request limit (an app deploy fewer than
+    one each)."""
     args = tiny_app_args(tiny_model_dir)
-    args["models"][0]["deployment"].update(max_ongoing_requests=1, max_queued_requests=1)
-    yield deploy(serve_instance, "bp", args)
-    delete_app("bp")
+    small_queue = args["models"][0]
+    timed = {**small_queue, "id": TIMED_MODEL, "engine": {**small_queue["engine"], "request_timeout_s": 0.2},
+             "deployment": dict(small_queue["deployment"])}
+    small_queue["deployment"] = {**small_queue["deployment"], "max_ongoing_requests": 1, "max_queued_requests": 1}
+    args["models"].append(timed)
+    serve.run(build_app(args), name="limits", route_prefix="/limits", blocking=False)
+    url = serve_instance.url("/limits")
+    wait_ready(url)
+    yield url
+    delete_app("limits")
 
 
-@pytest.fixture(scope="module")
-def timeout_app(serve_instance, tiny_model_dir):
-    yield deploy(serve_instance, "slowlimit", tiny_app_args(tiny_model_dir, request_timeout_s=0.2))
-    delete_app("slowlimit")
-
-
-def test_full_queue_answers_503_with_retry_after(small_queue_app):
+def test_full_queue_answers_503_with_retry_after(limits_app):
     body = {**BODY, "max_tokens": 120}
 
     def send(_):
-        return httpx.post(small_queue_app + "/v1/chat/completions", json=body, timeout=60)
+        return httpx.post(limits_app + "/v1/chat/completions", json=body, timeout=60)
 
     with ThreadPoolExecutor(8) as pool:
         responses = list(pool.map(send, range(8)))
@@ -63,20 +63,21 @@ def test_full_queue_answers_503_with_retry_after(small_queue_app):
     # count of the replica's ongoing requests settles after the last answer went out.
     deadline, status = time.monotonic() + 15, None
     while status != 200 and time.monotonic() < deadline:
-        status = httpx.post(small_queue_app + "/v1/chat/completions", json={**BODY, "max_tokens": 2},
+        status = httpx.post(limits_app + "/v1/chat/completions", json={**BODY, "max_tokens": 2},
                             timeout=60).status_code
         time.sleep(0.2 if status != 200 else 0)
     assert status == 200
 
 
-def test_request_timeout_is_504_and_frees_the_cache(timeout_app):
-    resp = httpx.post(timeout_app + "/v1/chat/completions", json={**BODY, "max_tokens": 240}, timeout=60)
+def test_request_timeout_is_504_and_frees_the_cache(limits_app):
+    body = {**BODY, "model": TIMED_MODEL}
+    resp = httpx.post(limits_app + "/v1/chat/completions", json={**body, "max_tokens": 240}, timeout=60)
     assert resp.status_code == 504, resp.text
     assert resp.json()["error"]["code"] == "request_timeout"
-    with httpx.stream("POST", timeout_app + "/v1/chat/completions", json={**BODY, "max_tokens": 240, "stream": True},
+    with httpx.stream("POST", limits_app + "/v1/chat/completions", json={**body, "max_tokens": 240, "stream": True},
                       timeout=60) as stream:
         lines = [line for line in stream.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2][6:])["error"]["code"] == "request_timeout"  # after streaming began
-    stats = worker_stats("slowlimit", TINY_MODEL_ID)
+    stats = worker_stats("limits", TIMED_MODEL)
     assert stats.active_requests == 0 and stats.kv_blocks_used == 0
