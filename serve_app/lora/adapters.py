@@ -125,7 +125,8 @@ class AdapterCatalog:
         with_lora = [m.id for m in self.config.models if m.lora is not None]
         if requested is None:
             if len(with_lora) != 1:
-                raise APIError(400, f"base_model is required: the models that serve LoRA adapters are {with_lora}",
+                names = [self.config.model(i).names[0] for i in with_lora]
+                raise APIError(400, f"base_model is required: the models that serve LoRA adapters are {names}",
                                param="base_model")
             return with_lora[0]
         if (served := self.config.served(requested)) is None:
