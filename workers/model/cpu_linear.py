@@ -64,6 +64,9 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        # The packed tensor is neither a parameter nor a buffer: its bytes, for what reads a
+        # model's weight bytes (loader.weight_bytes: memory, a draft's price per step).
+        self.packed_nbytes = linear.weight.numel() * linear.weight.element_size()
         self.bias = linear.bias
         self.weight = torch.empty(linear.weight.shape, dtype=linear.weight.dtype, device="meta")
 

@@ -28,7 +28,11 @@ from transformers import (
 
 from workers.contract.model_config import BUILTIN_DEFAULT_MODEL, default_cache_dir
 from workers.model.checkpoint_packing import keep_checkpoint_weights_packed
-from workers.model.cpu_linear import has_native_bf16_matmul, pack_linear_layers
+from workers.model.cpu_linear import (
+    PackedLinear,
+    has_native_bf16_matmul,
+    pack_linear_layers,
+)
 from workers.model.fused_projections import fuse_sibling_projections
 from workers.model.gguf_packing import keep_gguf_weights_packed
 from workers.model.hub_source import HubId, resolve_hub_gguf, resolve_hub_model
@@ -67,12 +71,13 @@ class LoadedModel:
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the model's tensors on a real device, each storage once (a tied head's
-    blocks shared with the embedding count once)."""
+    blocks shared with the embedding count once), oneDNN-packed weights included."""
     storages = {}
     for tensor in list(model.parameters()) + list(model.buffers()):
         if not tensor.is_meta:
             storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-    return sum(storages.values())
+    packed = sum(m.packed_nbytes for m in model.modules() if isinstance(m, PackedLinear))
+    return sum(storages.values()) + packed
 
 
 def builtin_gguf_path(name: str) -> Path:

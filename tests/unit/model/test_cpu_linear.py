@@ -86,6 +86,16 @@ def test_packing_a_float32_model_keeps_its_logits(tiny_model):
     assert torch.equal(after.argmax(-1), before.argmax(-1))
 
 
+def test_packed_weights_count_in_the_models_weight_bytes(tiny_model):
+    """A draft's price per step is its weight bytes over its target's: a target whose
+    linears the probe packed (and a draft it did not) must weigh what it weighs unpacked."""
+    model = copy.deepcopy(tiny_model)
+    assert not model.config.tie_word_embeddings  # (a tied head packed is a second copy)
+    before = model_loader.weight_bytes(model)
+    assert pack_linear_layers(model, float32=True) > 0
+    assert model_loader.weight_bytes(model) == before
+
+
 @pytest.mark.parametrize(("plain_ms", "packed_ms", "packs"), [(7.0, 5.5, True), (7.0, 6.8, False), (0.3, 0.8, False)])
 def test_float32_packing_follows_the_probe(tiny_model, monkeypatch, plain_ms, packed_ms, packs):
     """Unasked (`float32=None`), a float32 model is packed only when the probe finds oneDNN
