@@ -62,7 +62,21 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult:
+    # A server may close an idle keep-alive connection just as the pool hands it out
+    # (llama-server's HTTP library does, after a few requests on one connection): the
+    # request then fails before any response. Clients (the OpenAI SDK) send it again on a
+    # fresh connection; so does this one, once, so the peer is not charged for the race.
     start = time.perf_counter()
+    result = await _stream_request(client, url, body, start)
+    if result.error.startswith(_STALE_CONNECTION):
+        result = await _stream_request(client, url, body, start)
+    return result
+
+
+_STALE_CONNECTION = "RemoteProtocolError('Server disconnected without sending a response"
+
+
+async def _stream_request(client: httpx.AsyncClient, url: str, body: dict, start: float) -> RequestResult:
     first = last = None
     events = 0
     usage_tokens = None
