@@ -119,10 +119,28 @@ static inline float dot(const float *a, const float *b, int64_t n) {
    accumulators summed across by a fixed tree of hadds (no per-row horizontal sum). */
 static inline __m256 dot8(const float *q, const float *rows, int64_t stride, int64_t n) {
     __m256 a[8];
-    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n; i += 8) {
-        __m256 qv = _mm256_loadu_ps(q + i);
-        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows + j * stride + i), a[j]);
+#ifdef __AVX512F__
+    /* 16 lanes where the head's width allows (64, 128: a model's every call takes the same
+       path, so a row's sums stay its own): half the products and loads of 8 lanes; each
+       accumulator's halves are then added into the 8-lane sums the tree below takes. */
+    if (n % 16 == 0) {
+        __m512 w[8];
+        for (int j = 0; j < 8; j++) w[j] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n; i += 16) {
+            __m512 qv = _mm512_loadu_ps(q + i);
+            for (int j = 0; j < 8; j++) w[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(rows + j * stride + i), w[j]);
+        }
+        for (int j = 0; j < 8; j++)
+            a[j] = _mm256_add_ps(_mm512_castps512_ps256(w[j]),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w[j]), 1)));
+    } else
+#endif
+    {
+        for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < n; i += 8) {
+            __m256 qv = _mm256_loadu_ps(q + i);
+            for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows + j * stride + i), a[j]);
+        }
     }
     __m256 h0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
     __m256 h4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
@@ -181,6 +199,20 @@ static inline float exponentiate(float *x, int64_t n, float max) {
 static inline void add_weighted_rows(float *acc, const float *p, const float *rows, int64_t stride, int64_t n,
                                      int64_t d) {
     int64_t i = 0;
+#ifdef __AVX512F__
+    /* The same products in the same order for each element as the 8-lane loop below, in
+       half the instructions: the lane width does not change any element's sum. */
+    for (; i + 64 <= d; i += 64) {
+        __m512 a[4];
+        for (int j = 0; j < 4; j++) a[j] = _mm512_loadu_ps(acc + i + 16 * j);
+        for (int64_t t = 0; t < n; t++) {
+            const __m512 pt = _mm512_set1_ps(p[t]);
+            const float *row = rows + t * stride + i;
+            for (int j = 0; j < 4; j++) a[j] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(row + 16 * j), a[j]);
+        }
+        for (int j = 0; j < 4; j++) _mm512_storeu_ps(acc + i + 16 * j, a[j]);
+    }
+#endif
 #ifdef VECTOR_PATH
     for (; i + 64 <= d; i += 64) {
         __m256 a[8];
