@@ -66,10 +66,11 @@ class EngineConfig(_Strict):
         None, description="cpu: a sequence's logits depend only on its own tokens, never on the batch around it, "
         "its prompt's chunking or a prefix-cache hit: linears with one reduction order per row whatever the batch "
         "(in row slices whose size a load-time probe finds invariant on this CPU), every prompt span attended by the "
-        "decode kernel (workers/model/batch_invariant.py). null: on where it costs nothing measurable, a CPU model "
-        "whose linear layers all keep their weights in quantized blocks with 8-bit activations (quantization auto, "
-        "quantized_activations int8x2 or int8: the default model), with no LoRA and not split; off elsewhere (a float "
-        "checkpoint's row slices cost 1.13-1.15x in a long prompt's TTFT on a 2-core AVX2 CPU). Costs in "
+        "decode kernel (workers/model/batch_invariant.py). null: on where output tok/s does not change (c=1-64), a "
+        "CPU model whose linear layers all keep their weights in quantized blocks with 8-bit activations "
+        "(quantization auto, quantized_activations int8x2 or int8: the default model), with no LoRA and not split; "
+        "a long prompt's TTFT pays 1.04x (2,000 tokens, AVX2) to 1.31x (AMX Xeon) there. Off elsewhere (a float "
+        "checkpoint's row slices cost up to 0.76x output tok/s at c=64 in bfloat16 on AMX). Costs in "
         "docs/BENCHMARKS.md")
     direct_forward: bool = Field(
         True, description="cpu: Llama, Mistral, Qwen2 and Qwen3 models run chatserve's own loop over their layers "

@@ -85,7 +85,7 @@ class LLMEngine:
         first pipeline stage) is given; the other shards mirror its KV pool and run each
         step it sends them. `draft_model`: speculative method 'draft's proposer (the same
         tokenizer, on the same device)."""
-        if limits.deterministic is None:  # auto: on where it costs nothing (a CPU model in quantized blocks)
+        if limits.deterministic is None:  # auto: on where decode pays nothing (a CPU model in quantized blocks)
             free = (device.type == "cpu" and shard_group is None and limits.lora is None
                     and cpu_decode_attention() is not None and invariant_for_free(model))
             limits = dataclasses.replace(limits, deterministic=free)

@@ -82,10 +82,11 @@ def _probe(layer: nn.Module, dtype: torch.dtype) -> int:
 
 
 def invariant_for_free(model: nn.Module) -> bool:
-    """Whether the mode costs this model nothing measurable: every linear layer keeps its
-    weight in quantized blocks and multiplies 8-bit activations (each row summed on its
-    own, no slices), so only long prompts' attention changes path, and the tiled kernel
-    takes those at SDPA's speed (docs/BENCHMARKS.md)."""
+    """Whether the mode leaves this model's output rate where it is: every linear layer
+    keeps its weight in quantized blocks and multiplies 8-bit activations (each row summed
+    on its own, no slices), so only long prompts' attention changes path, to the tiled
+    kernel (a 2,000-token prompt's TTFT 1.04x on an AVX2 EPYC, 1.31x on an AMX Xeon whose
+    SDPA is faster: docs/BENCHMARKS.md)."""
     linears = [m for m in model.modules() if isinstance(m, (PackedLinear, QuantizedLinear, nn.Linear))]
     return bool(linears) and all(isinstance(m, QuantizedLinear) and m.levels for m in linears)
 
