@@ -65,3 +65,23 @@ def test_the_serve_config_carries_the_chosen_quantization(tmp_path):
         config = yaml.safe_load(serve_config(model, "float32", tmp_path, quantization).read_text())
         spec = config["applications"][0]["args"]["models"][0]
         assert ModelConfig(**spec).quantization == quantization and spec["dtype"] == "float32"
+
+
+def test_vllm_serves_the_float_copy_in_the_dtype_auto_gives_float_weights_here(monkeypatch):
+    import argparse
+
+    import torch
+
+    import tools.bench.compare as compare
+
+    def args(**given):
+        return argparse.Namespace(**{"vllm_dtype": None, "quantization": "auto", "dtype": "float32", **given})
+
+    for native_bf16, picked in ((True, "bfloat16"), (False, "float32")):
+        def auto(dtype, device, quantized=False, native=native_bf16):
+            return torch.bfloat16 if native and not quantized else torch.float32
+
+        monkeypatch.setattr(compare, "resolve_dtype", auto)
+        assert compare.vllm_dtype(args()) == picked  # chatserve on the blocks: vLLM's best on this CPU
+        assert compare.vllm_dtype(args(quantization="none")) == "float32"  # the same weights as chatserve
+        assert compare.vllm_dtype(args(vllm_dtype="bfloat16", quantization="none")) == "bfloat16"

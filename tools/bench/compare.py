@@ -8,8 +8,10 @@ llama.cpp's server.
 
 Every system gets the load of `tools.bench.load` (one templated prompt, temperature 0.8,
 ignore_eos, a closed loop of max(8, 2C) requests at concurrency C), run one after another
-on this machine, loopback only, every system in the same dtype (--dtype, float32 by
-default). The Serve path is `serve run` of a config written from configs/default.yaml for
+on this machine, loopback only, chatserve in --dtype (float32 by default). vLLM cannot
+serve the blocks of a GGUF on CPU and serves the float copy, in the dtype chatserve's `auto`
+picks for float weights on this CPU (bfloat16 where AMX multiplies it, else float32;
+--vllm-dtype sets another), or in --dtype with --quantization none (the same weights). The Serve path is `serve run` of a config written from configs/default.yaml for
 the model, started the way `make serve` starts it (SERVE_ENV); vLLM is `vllm serve` from
 its own venv (tools/bench/vllm_cpu_env.sh) on the same model directory. llama.cpp's
 `llama-server` (built once by tools/bench/llamacpp_server.sh) serves the model's own GGUF
@@ -37,7 +39,7 @@ import yaml
 from tools.bench.near_free_model import write_near_free_model
 from tools.servers import stop_session, wait_ready
 from workers.contract.model_config import BUILTIN_DEFAULT_MODEL
-from workers.model.loader import prepare_model_dir, resolve_gguf
+from workers.model.loader import prepare_model_dir, resolve_dtype, resolve_gguf
 
 REPO = Path(__file__).resolve().parents[2]
 SERVE_PORT = 8000
@@ -178,11 +180,22 @@ def setup_script(name: str) -> str:
     return out.strip().splitlines()[-1]
 
 
+def vllm_dtype(args) -> str:
+    """vLLM's dtype: --vllm-dtype; else chatserve's --dtype where both serve the float copy;
+    else (chatserve on the blocks) what chatserve's `auto` gives float weights on this CPU:
+    the peer in its best dtype here, as a user with the float checkpoint would run it."""
+    if args.vllm_dtype:
+        return args.vllm_dtype
+    if args.quantization == "none":
+        return args.dtype
+    return str(resolve_dtype("auto", "cpu", quantized=False)).removeprefix("torch.")
+
+
 def bench_vllm(args, model: Model, report: Path) -> None:
     venv = setup_script("vllm_cpu_env.sh")
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"}
     cmd = [str(REPO / venv / "bin" / "vllm"), "serve", str(model.directory), "--served-model-name", model.name,
-           "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(VLLM_PORT)]
+           "--dtype", vllm_dtype(args), "--host", "127.0.0.1", "--port", str(VLLM_PORT)]
     with server_running(cmd, VLLM_PORT, args.out / "vllm.log", env) as url:
         load(args, url, model.name, report)
 
@@ -236,7 +249,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--systems", nargs="+", default=["engine", "serve", "vllm"],
                         choices=["engine", "worker", "serve", "plain", "vllm", "llamacpp"],
                         help="plain: `serve run` of the config as typed by hand, without make serve's environment")
-    parser.add_argument("--dtype", default="float32", help="every system's (vLLM's CPU build runs float32 here)")
+    parser.add_argument("--dtype", default="float32", help="chatserve's (engine, worker and Serve)")
+    parser.add_argument("--vllm-dtype", choices=("float32", "bfloat16"), default=None,
+                        help="vLLM's; default: --dtype with --quantization none, else what chatserve's auto picks "
+                        "for float weights on this CPU")
     parser.add_argument("--quantization", choices=("auto", "none"), default="auto",
                         help="chatserve's (engine and Serve): auto keeps a GGUF file's blocks, none its float copy")
     parser.add_argument("--quantized-activations", choices=("int8x2", "int8", "float32"), default="int8x2",
