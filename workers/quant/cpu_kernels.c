@@ -574,6 +574,104 @@ static void group_tile(int fmt, const uint8_t *group, int64_t nblocks, const int
 #endif
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && VNNI
+/* Two adjacent groups (16 output features) at once in 512-bit registers where the CPU has
+   AVX-512 VNNI: each group's runs, scales and minimums fill one half of a register, so every
+   instruction does the work of two of group_rows_q8's, and each lane takes exactly the
+   integer sums and FMAs that group_rows_q8 gives its feature (the products' numbers do not
+   change with the machine's vector width or the batch). */
+#define PAIRED_GROUPS 1
+static inline __m512 join_ps(__m256 lo, __m256 hi) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+}
+static inline __m512i join_si(const uint8_t *lo, const uint8_t *hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)lo)),
+                              _mm256_loadu_si256((const __m256i *)hi), 1);
+}
+static inline __m512i broadcast4_512(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
+
+static inline __attribute__((always_inline)) void group_pair_rows_q8(int fmt, const uint8_t *group, int64_t group_bytes,
+                                                                     int64_t nblocks, const int8_t *xq,
+                                                                     const act_block *meta, int64_t K, int rows,
+                                                                     int levels, float *y, int64_t ldy, int accumulate) {
+    const int64_t gbb = GROUP_ROWS * block_bytes(fmt);
+    const __m512i mask = _mm512_set1_epi8(0x0f);
+    __m512 acc[GEMM_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nblocks; b++) {
+        const uint8_t *blk = group + b * gbb, *blk2 = blk + group_bytes;
+        const uint8_t *qs = blk + GROUP_ROWS * fields_bytes(fmt), *qs2 = blk2 + GROUP_ROWS * fields_bytes(fmt);
+        for (int64_t line = 0; line < gbb; line += 64) {
+            _mm_prefetch((const char *)(blk + PREFETCH_BYTES + line), _MM_HINT_T0);
+            _mm_prefetch((const char *)(blk2 + PREFETCH_BYTES + line), _MM_HINT_T0);
+        }
+        __m256 d1, d1_hi, m1, d2, d2_hi, m2;
+        group_fields(fmt, blk, &d1, &d1_hi, &m1);
+        group_fields(fmt, blk2, &d2, &d2_hi, &m2);
+        const __m512 d = join_ps(d1, d2), d_hi = join_ps(d1_hi, d2_hi), m = join_ps(m1, m2);
+        if (is_q8(fmt)) {
+            for (int r = 0; r < rows; r++) {
+                const int8_t *xb = xq + r * K + b * QK;
+                const act_block *a = meta + r * nblocks + b;
+                __m512i sum[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};  /* columns 0-15, 16-31 */
+                for (int g = 0; g < 8; g++) {  /* |w| x (x * sign w), as group_rows_q8 (w = 0 gives 0 either way) */
+                    __m512i w = join_si(qs + 32 * g, qs2 + 32 * g), x = broadcast4_512(xb + 4 * g);
+                    x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+                    sum[g / 4] = _mm512_dpbusd_epi32(sum[g / 4], _mm512_abs_epi8(w), x);
+                }
+                __m512 scale = _mm512_set1_ps(a->scale);
+                if (fmt == FMT_Q8_0) {
+                    acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, scale), _mm512_cvtepi32_ps(_mm512_add_epi32(sum[0], sum[1])),
+                                             acc[r]);
+                    continue;
+                }
+                acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, scale), _mm512_cvtepi32_ps(sum[0]), acc[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d_hi, scale), _mm512_cvtepi32_ps(sum[1]), acc[r]);
+                acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a->sum), acc[r]);
+            }
+            continue;
+        }
+        __m512i s[GEMM_ROWS];
+        for (int r = 0; r < rows; r++) s[r] = _mm512_setzero_si512();
+        for (int i = 0; i < 4; i++) {
+            __m512i v = join_si(qs + 32 * i, qs2 + 32 * i);
+            __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+            for (int r = 0; r < rows; r++) {
+                const int8_t *xb = xq + r * K + b * QK + 4 * i;
+                s[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[r], lo, broadcast4_512(xb)), hi, broadcast4_512(xb + 16));
+                IN_REGISTER(s[r]);
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            const act_block *a = meta + r * nblocks + b;
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a->scale)), _mm512_cvtepi32_ps(s[r]), acc[r]);
+            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a->sum), acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r += levels) {  /* the two groups' outputs are adjacent: 16 floats */
+        float *out = y + r / levels * ldy;
+        __m512 sum = levels == 2 ? _mm512_add_ps(acc[r], acc[r + 1]) : acc[r];
+        _mm512_storeu_ps(out, accumulate ? _mm512_add_ps(_mm512_loadu_ps(out), sum) : sum);
+    }
+}
+
+static void group_pair_tile(int fmt, const uint8_t *group, int64_t group_bytes, int64_t nblocks, const int8_t *xq,
+                            const act_block *meta, int64_t K, int rows, int levels, float *y, int64_t ldy,
+                            int accumulate) {
+#define PAIR_CASE(F, R, L) case R: group_pair_rows_q8(F, group, group_bytes, nblocks, xq, meta, K, R, L, y, ldy, \
+                                                      accumulate); return;
+#define PAIR_FORMAT(F) case F: \
+        if (levels == 2) { switch (rows) { PAIR_CASE(F, 2, 2) default: PAIR_CASE(F, 4, 2) } } \
+        switch (rows) { PAIR_CASE(F, 1, 1) PAIR_CASE(F, 2, 1) PAIR_CASE(F, 3, 1) default: PAIR_CASE(F, 4, 1) }
+    switch (fmt) { PAIR_FORMAT(FMT_Q4_0) PAIR_FORMAT(FMT_Q4_1) PAIR_FORMAT(FMT_Q4_F32) PAIR_FORMAT(FMT_Q8_F32)
+                   default: PAIR_FORMAT(FMT_Q8_0) }
+#undef PAIR_FORMAT
+#undef PAIR_CASE
+}
+#else
+#define PAIRED_GROUPS 0
+#endif
+
 /* Bytes of `work` interleaved_matmul needs: M * levels * K int8 values and as many / 32
    act_blocks, then K floats for each ROUNDING_ROWS rows' prologue. */
 int64_t interleaved_matmul_work_bytes(int64_t M, int64_t K, int levels) {
@@ -607,12 +705,21 @@ static void interleaved_product_shared(int fmt, const uint8_t *w, int64_t N, int
     int64_t panel = PANEL_BYTES / K / GEMM_ROWS * GEMM_ROWS;
     if (panel < GEMM_ROWS) panel = GEMM_ROWS;
     int64_t panels = (M + panel - 1) / panel;
+    const int64_t per_unit = PAIRED_GROUPS ? 2 : 1, units = (groups + per_unit - 1) / per_unit;
     #pragma omp for collapse(2) schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
+    for (int64_t u = 0; u < units; u++) {
         for (int64_t p = 0; p < panels; p++) {
+            const int64_t g = u * per_unit;
             int64_t end = (p + 1) * panel < M ? (p + 1) * panel : M;
             for (int64_t m0 = p * panel; m0 < end; m0 += GEMM_ROWS) {
                 int rows = (int)(end - m0 < GEMM_ROWS ? end - m0 : GEMM_ROWS);
+#if PAIRED_GROUPS
+                if (g + 1 < groups) {
+                    group_pair_tile(fmt, w + g * group_bytes, group_bytes, nblocks, xq + m0 * K, meta + m0 * nblocks, K,
+                                    rows, levels, y + m0 / levels * N + g * GROUP_ROWS, N, accumulate);
+                    continue;
+                }
+#endif
                 group_tile(fmt, w + g * group_bytes, nblocks, xq + m0 * K, meta + m0 * nblocks, K, rows, levels,
                            y + m0 / levels * N + g * GROUP_ROWS, N, accumulate);
             }

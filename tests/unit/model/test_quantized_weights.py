@@ -233,8 +233,10 @@ def _has_vnni() -> bool:
 @pytest.mark.skipif(platform.machine() != "x86_64" or not _has_vnni(), reason="a CPU with VNNI (integer dot products)")
 @pytest.mark.parametrize("fmt", FORMATS + K_QUANTS, ids=lambda f: f.name)
 def test_vnni_products_equal_the_avx2_ones_bit_for_bit(tmp_path, fmt):
-    """The native build's VNNI dot products against the same source built without VNNI
-    (maddubs + madd): integer sums, so the very same floats at 1 to 9 rows and both levels."""
+    """The native build's VNNI dot products (and, with AVX-512 VNNI, two groups of 8 output
+    features a 512-bit register) against the same source built without VNNI (maddubs +
+    madd, one group at a time): integer sums, so the very same floats at 1 to 9 rows and
+    both levels, with an even and an odd number of groups (the last one alone)."""
     import ctypes
     import subprocess
 
@@ -244,13 +246,14 @@ def test_vnni_products_equal_the_avx2_ones_bit_for_bit(tmp_path, fmt):
     subprocess.run(["gcc", "-O3", "-march=native", "-mno-avxvnni", "-mno-avx512vnni", "-fopenmp", "-shared", "-fPIC",
                     "-o", str(target), str(native_kernels.SOURCE)], check=True, capture_output=True, timeout=120)
     avx2, native = QuantKernels(ctypes.CDLL(str(target))), kernels()
-    packed, _ = _packed_k_quant(fmt, 48, 256) if fmt in K_QUANTS else _packed(fmt, 48, 256)
-    interleaved = interleave_rows(packed.blocks, packed.fmt)
-    for rows in (1, 4, 9):
-        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
-        for levels in (1, 2):
-            assert torch.equal(avx2.interleaved_matmul(packed.fmt, interleaved, 48, 256, x, levels),
-                               native.interleaved_matmul(packed.fmt, interleaved, 48, 256, x, levels))
+    for features in (48, 56):
+        packed, _ = _packed_k_quant(fmt, features, 256) if fmt in K_QUANTS else _packed(fmt, features, 256)
+        interleaved = interleave_rows(packed.blocks, packed.fmt)
+        for rows in (1, 4, 9):
+            x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+            for levels in (1, 2):
+                assert torch.equal(avx2.interleaved_matmul(packed.fmt, interleaved, features, 256, x, levels),
+                                   native.interleaved_matmul(packed.fmt, interleaved, features, 256, x, levels))
 
 
 def test_portable_build_widens_every_e4m3_code_as_torch_does(tmp_path):
