@@ -69,7 +69,7 @@ class EngineConfig(_Strict):
         "decode kernel (workers/model/batch_invariant.py). null: on where output tok/s does not change (c=1-64), a "
         "CPU model whose linear layers all keep their weights in quantized blocks with 8-bit activations "
         "(quantization auto, quantized_activations int8x2 or int8: the default model), with no LoRA and not split; "
-        "a long prompt's TTFT pays 1.04x (2,000 tokens, AVX2) to 1.31x (AMX Xeon) there. Off elsewhere (a float "
+        "a long prompt's TTFT pays 1.04x (2,000 tokens, AVX2) to 1.34x (AMX Xeon) there. Off elsewhere (a float "
         "checkpoint's row slices cost up to 0.76x output tok/s at c=64 in bfloat16 on AMX). Costs in "
         "docs/BENCHMARKS.md")
     direct_forward: bool = Field(

@@ -85,7 +85,7 @@ def invariant_for_free(model: nn.Module) -> bool:
     """Whether the mode leaves this model's output rate where it is: every linear layer
     keeps its weight in quantized blocks and multiplies 8-bit activations (each row summed
     on its own, no slices), so only long prompts' attention changes path, to the tiled
-    kernel (a 2,000-token prompt's TTFT 1.04x on an AVX2 EPYC, 1.31x on an AMX Xeon whose
+    kernel (a 2,000-token prompt's TTFT 1.04x on an AVX2 EPYC, 1.34x on an AMX Xeon whose
     SDPA is faster: docs/BENCHMARKS.md)."""
     linears = [m for m in model.modules() if isinstance(m, (PackedLinear, QuantizedLinear, nn.Linear))]
     return bool(linears) and all(isinstance(m, QuantizedLinear) and m.levels for m in linears)
