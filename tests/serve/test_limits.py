@@ -23,17 +23,24 @@ from tests.support.serve_fixtures import (
 BODY = {"model": TINY_MODEL_ID, "messages": [{"role": "user", "content": "Hello"}], "ignore_eos": True}
 
 
-TIMED_MODEL = "tiny-timed"  # the same tiny model under a 0.2 s request limit
+TIMED_MODEL = "tiny-timed"  # a tiny model with a 1,024-token window under a 0.2 s request limit
+TIMED_TOKENS = 1000  # ~0.8 s of decoding on a fast 2-core Xeon: far past the limit on any machine
 
 
 @pytest.fixture(scope="module")
-def limits_app(serve_instance, tiny_model_dir):
+def limits_app(serve_instance, tiny_model_dir, tmp_path_factory):
     """One app, two models: the tiny model behind a one-request worker with a one-request
-    queue, and the same model again with a 0.2 s request limit (an app deploy fewer than
-    one each)."""
+    queue, and a tiny model with a longer window and a 0.2 s request limit (an app deploy
+    fewer than one each). The window lets a request ask for 4x the tokens the 256-token one
+    could: 240 of them took 0.2 s on an AMX Xeon, so the limit was not always reached."""
+    from tests.support.tiny_models import write_tiny_model_dir
+
     args = tiny_app_args(tiny_model_dir)
     small_queue = args["models"][0]
-    timed = {**small_queue, "id": TIMED_MODEL, "engine": {**small_queue["engine"], "request_timeout_s": 0.2},
+    long_window = write_tiny_model_dir(tmp_path_factory.mktemp("tiny_timed"), max_position_embeddings=1024)
+    timed = {**small_queue, "id": TIMED_MODEL, "source": str(long_window),
+             "engine": {**small_queue["engine"], "request_timeout_s": 0.2, "max_model_len": 1024,
+                        "kv_cache_memory_gib": 0.01},
              "deployment": dict(small_queue["deployment"])}
     small_queue["deployment"] = {**small_queue["deployment"], "max_ongoing_requests": 1, "max_queued_requests": 1}
     args["models"].append(timed)
@@ -71,11 +78,11 @@ def test_full_queue_answers_503_with_retry_after(limits_app):
 
 def test_request_timeout_is_504_and_frees_the_cache(limits_app):
     body = {**BODY, "model": TIMED_MODEL}
-    resp = httpx.post(limits_app + "/v1/chat/completions", json={**body, "max_tokens": 240}, timeout=60)
+    resp = httpx.post(limits_app + "/v1/chat/completions", json={**body, "max_tokens": TIMED_TOKENS}, timeout=60)
     assert resp.status_code == 504, resp.text
     assert resp.json()["error"]["code"] == "request_timeout"
-    with httpx.stream("POST", limits_app + "/v1/chat/completions", json={**body, "max_tokens": 240, "stream": True},
-                      timeout=60) as stream:
+    with httpx.stream("POST", limits_app + "/v1/chat/completions",
+                      json={**body, "max_tokens": TIMED_TOKENS, "stream": True}, timeout=60) as stream:
         lines = [line for line in stream.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2][6:])["error"]["code"] == "request_timeout"  # after streaming began
