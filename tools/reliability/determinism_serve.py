@@ -1,10 +1,12 @@
 """Deterministic outputs through Serve across a worker kill: the default model on two worker
 replicas with `engine.deterministic: true`, in each dtype asked. 16 streams (8 greedy, 8
-seeded at temperature 0.9; tools/reliability/determinism.py's prompts) run at once,
-undisturbed; then the same 16 again, and once a third of their tokens arrived one worker
-replica is killed (`ray.kill`, no restart): its streams resume on the other replica. The
-script counts the streams whose text equals their undisturbed run, and the resumes
-(/metrics `chatserve_requests_resumed_total`). `--also-off`: each dtype with the mode off too.
+seeded at temperature 0.9; tools/reliability/determinism.py's prompts) run each alone, one
+after another; then among 48 other streams (64 at once); then each alone again, its prompt
+now in a replica's prefix cache; then the 16 at once, undisturbed; then the same 16 again,
+and once a third of their tokens arrived one worker replica is killed (`ray.kill`, no
+restart): its streams resume on the other replica. The script counts the streams whose text
+equals their run alone in each of those runs, and the resumes (/metrics
+`chatserve_requests_resumed_total`). `--also-off`: each dtype with the mode off too.
 
     python -m tools.reliability.determinism_serve --dtype float32 bfloat16 [--also-off]
 """
@@ -31,10 +33,24 @@ APP = "determinism"
 STREAMS = 16
 
 
-def bodies(model: str, max_tokens: int) -> list[dict]:
-    """determinism.py's 16 requests as chat bodies: even ones greedy, odd ones seeded."""
+OTHERS = 48  # the streams beside the 16 in the "among others" run
+
+
+def bodies(model: str, max_tokens: int, count: int = STREAMS, offset: int = 0) -> list[dict]:
+    """determinism.py's requests `offset`.. as chat bodies: even ones greedy, odd ones seeded."""
     return [{"model": model, "messages": [{"role": "user", "content": prompt_text(k)}], "max_tokens": max_tokens,
-             "ignore_eos": True, "stream": True, **sampling(k)} for k in range(STREAMS)]
+             "ignore_eos": True, "stream": True, **sampling(k)} for k in range(offset, offset + count)]
+
+
+def one_at_a_time(url: str, requests: list[dict]) -> list[str]:
+    return [asyncio.run(run_streams(url, [body], None, None))[0] for body in requests]
+
+
+def equal_to(reference: list[str], texts: list[str]) -> str:
+    """'equal/16 (greedy equal/8)'."""
+    equal = sum(a == b for a, b in zip(reference, texts))
+    greedy = sum(a == b for a, b in zip(reference[::2], texts[::2]))
+    return f"{equal}/{len(reference)} (greedy {greedy}/{len(reference[::2])})"
 
 
 async def stream_text(client: httpx.AsyncClient, url: str, body: dict, progress: list[int]) -> str:
@@ -88,6 +104,10 @@ def one_dtype(config: dict, dtype: str, deterministic: bool, url: str, max_token
         wait_ready(url)
         wait_all_running(APP, deployment, 2, timeout_s=300)
         requests = bodies(model["id"], max_tokens)
+        alone = one_at_a_time(url, requests)
+        among = asyncio.run(run_streams(url, requests + bodies(model["id"], max_tokens, OTHERS, STREAMS), None,
+                                        None))[:STREAMS]
+        after_hit = one_at_a_time(url, requests)
         undisturbed = asyncio.run(run_streams(url, requests, None, None))
         before = resumes_counted(url, model["id"]) or 0
         killed: list[str] = []
@@ -101,7 +121,10 @@ def one_dtype(config: dict, dtype: str, deterministic: bool, url: str, max_token
         replaced = wait_replaced(APP, deployment, killed[0], 2, started, 300) if killed else None
         equal = sum(a == b for a, b in zip(undisturbed, disturbed))
         greedy = sum(a == b for a, b in zip(undisturbed[::2], disturbed[::2]))
-        return {"dtype": dtype, "deterministic": deterministic, "equal": equal, "greedy_equal": greedy, "seeded_equal": equal - greedy,
+        return {"dtype": dtype, "deterministic": deterministic,
+                "vs alone": {"among 63 others": equal_to(alone, among), "after a cache hit": equal_to(alone, after_hit),
+                             "16 at once": equal_to(alone, undisturbed), "16 with a kill": equal_to(alone, disturbed)},
+                "equal": equal, "greedy_equal": greedy, "seeded_equal": equal - greedy,
                 "streams": STREAMS, "resumes": resumes, "killed": killed, "replaced_s": replaced,
                 "differing": [i for i, (a, b) in enumerate(zip(undisturbed, disturbed)) if a != b]}
     finally:
