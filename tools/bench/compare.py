@@ -11,10 +11,11 @@ ignore_eos, a closed loop of max(8, 2C) requests at concurrency C), run one afte
 on this machine, loopback only, chatserve in --dtype (float32 by default). vLLM cannot
 serve the blocks of a GGUF on CPU and serves the float copy, in the dtype chatserve's `auto`
 picks for float weights on this CPU (bfloat16 where AMX multiplies it, else float32;
---vllm-dtype sets another), or in --dtype with --quantization none (the same weights). The Serve path is `serve run` of a config written from configs/default.yaml for
-the model, started the way `make serve` starts it (SERVE_ENV); vLLM is `vllm serve` from
-its own venv (tools/bench/vllm_cpu_env.sh) on the same model directory. llama.cpp's
-`llama-server` (built once by tools/bench/llamacpp_server.sh) serves the model's own GGUF
+--vllm-dtype sets another), or in --dtype with --quantization none (the same weights).
+The Serve path is `serve run` of a config written from configs/default.yaml for the model,
+started the way `make serve` starts it (SERVE_ENV); vLLM is `vllm serve` from its own venv
+(tools/bench/vllm_cpu_env.sh) on the same model directory. llama.cpp's `llama-server`
+(built once by tools/bench/llamacpp_server.sh) serves the model's own GGUF
 file (the default model only: a Q4_1 GGUF), one slot per concurrent stream, a thread per
 core. Prints a table with each system's throughput as a share of the engine offline and of
 vLLM, and writes every report to --out.

@@ -46,10 +46,14 @@ def one_at_a_time(url: str, requests: list[dict]) -> list[str]:
     return [asyncio.run(run_streams(url, [body], None, None))[0] for body in requests]
 
 
+def matches(reference: list[str], texts: list[str]) -> tuple[int, int]:
+    """How many texts equal their reference, in all and among the greedy (even) ones."""
+    return sum(a == b for a, b in zip(reference, texts)), sum(a == b for a, b in zip(reference[::2], texts[::2]))
+
+
 def equal_to(reference: list[str], texts: list[str]) -> str:
     """'equal/16 (greedy equal/8)'."""
-    equal = sum(a == b for a, b in zip(reference, texts))
-    greedy = sum(a == b for a, b in zip(reference[::2], texts[::2]))
+    equal, greedy = matches(reference, texts)
     return f"{equal}/{len(reference)} (greedy {greedy}/{len(reference[::2])})"
 
 
@@ -119,8 +123,7 @@ def one_dtype(config: dict, dtype: str, deterministic: bool, url: str, max_token
         disturbed = asyncio.run(run_streams(url, requests, STREAMS * max_tokens // 3, kill))
         resumes = (resumes_counted(url, model["id"]) or 0) - before
         replaced = wait_replaced(APP, deployment, killed[0], 2, started, 300) if killed else None
-        equal = sum(a == b for a, b in zip(undisturbed, disturbed))
-        greedy = sum(a == b for a, b in zip(undisturbed[::2], disturbed[::2]))
+        equal, greedy = matches(undisturbed, disturbed)
         return {"dtype": dtype, "deterministic": deterministic,
                 "vs alone": {"among 63 others": equal_to(alone, among), "after a cache hit": equal_to(alone, after_hit),
                              "16 at once": equal_to(alone, undisturbed), "16 with a kill": equal_to(alone, disturbed)},

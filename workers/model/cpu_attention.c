@@ -254,13 +254,12 @@ static void start_query(query_state *query, int64_t group, int64_t head_dim) {
     memset(query->acc, 0, (size_t)(group * head_dim) * sizeof(float));
 }
 
-/* The query takes n keys (`keys` and `values` rows `key_stride` / `value_stride` floats
-   apart): scores, the running maxima, the exponentials, the weighted values. */
-static inline void take_keys(query_state *query, const float *keys, int64_t key_stride, const float *values,
-                             int64_t value_stride, int64_t head_dim, int64_t n, int64_t group, float scale,
-                             float softcap, float *scores) {
+/* The query takes n keys (`keys` and `values` rows `stride` floats apart: both in the
+   cache, or both widened): scores, the running maxima, the exponentials, the weighted values. */
+static inline void take_keys(query_state *query, const float *keys, const float *values, int64_t stride,
+                             int64_t head_dim, int64_t n, int64_t group, float scale, float softcap, float *scores) {
     float *acc = query->acc, *maxes = query->maxes, *sums = query->sums;
-    block_scores(query->q, keys, key_stride, head_dim, n, group, scale, softcap, scores);
+    block_scores(query->q, keys, stride, head_dim, n, group, scale, softcap, scores);
     for (int64_t h = 0; h < group; h++) {  /* the running maxima take the block's */
         float *sh = scores + h * MAX_BLOCK, block_max = -INFINITY;
         for (int64_t t = 0; t < n; t++) block_max = sh[t] > block_max ? sh[t] : block_max;
@@ -273,7 +272,7 @@ static inline void take_keys(query_state *query, const float *keys, int64_t key_
         sums[h] += exponentiate(sh, n, maxes[h]);
     }
     for (int64_t h = 0; h < group; h++)
-        add_weighted_rows(acc + h * head_dim, scores + h * MAX_BLOCK, values, value_stride, n, head_dim);
+        add_weighted_rows(acc + h * head_dim, scores + h * MAX_BLOCK, values, stride, n, head_dim);
 }
 
 /* Queries of one sequence over KV head `kv_head`, keys [first, each query's end): block by
@@ -313,7 +312,7 @@ static void attend_range(int dtype, query_state *queries, int count, const void 
         for (int r = 0; r < count; r++) {
             int64_t n = (to < queries[r].end ? to : queries[r].end) - from;
             if (n > 0)
-                take_keys(&queries[r], keys, stride, values, stride, head_dim, n, group, scale, softcap, scores);
+                take_keys(&queries[r], keys, values, stride, head_dim, n, group, scale, softcap, scores);
         }
     }
 }
