@@ -4,8 +4,10 @@ seeded at temperature 0.9; tools/reliability/determinism.py's prompts) run each 
 after another; then among 48 other streams (64 at once); then each alone again, its prompt
 now in a replica's prefix cache; then the 16 at once, undisturbed; then the same 16 again,
 and once a third of their tokens arrived one worker replica is killed (`ray.kill`, no
-restart): its streams resume on the other replica. The script counts the streams whose text
-equals their run alone in each of those runs, and the resumes (/metrics
+restart): its streams resume on the other replica; last, the app is deployed again with
+another chunked-prefill budget (`engine.max_num_batched_tokens` 48, 16 prompt tokens a step
+beside running streams) and the 16 run at once there. The script counts the streams whose
+text equals their run alone in each of those runs, and the resumes (/metrics
 `chatserve_requests_resumed_total`). `--also-off`: each dtype with the mode off too.
 
     python -m tools.reliability.determinism_serve --dtype float32 bfloat16 [--also-off]
@@ -34,6 +36,9 @@ STREAMS = 16
 
 
 OTHERS = 48  # the streams beside the 16 in the "among others" run
+# The other chunked-prefill budget (determinism.py's, in the engine): the prompts (~30-40
+# tokens) are then cut differently, their chunks sharing steps with other streams' rows.
+OTHER_BUDGET = {"max_num_batched_tokens": 48, "max_prefill_tokens_while_decoding": 16}
 
 
 def bodies(model: str, max_tokens: int, count: int = STREAMS, offset: int = 0) -> list[dict]:
@@ -92,21 +97,36 @@ async def run_streams(url: str, requests: list[dict], kill_at: int | None, kill)
     return texts
 
 
-def one_dtype(config: dict, dtype: str, deterministic: bool, url: str, max_tokens: int) -> dict:
+def deployed(args: dict, url: str) -> str:
+    """Deploys the app with `args` (2 worker replicas), once every replica runs: the worker deployment's name."""
     from ray import serve
 
     from serve_app.app import build_app, worker_deployment_name
     from tools.servers import wait_ready
 
+    deployment = worker_deployment_name(args["models"][0]["id"])
+    serve.run(build_app(args), name=APP, route_prefix="/", blocking=False)
+    wait_ready(url)
+    wait_all_running(APP, deployment, 2, timeout_s=300)
+    return deployment
+
+
+def with_engine(config: dict, dtype: str, deterministic: bool, **engine) -> dict:
+    """`config`'s app args on 2 worker replicas, its model in `dtype` with these engine options."""
     args = with_worker_replicas(config, 2)
     model = args["models"][0]
     model["dtype"] = dtype
-    model.setdefault("engine", {})["deterministic"] = deterministic
-    deployment = worker_deployment_name(model["id"])
-    serve.run(build_app(args), name=APP, route_prefix="/", blocking=False)
+    model.setdefault("engine", {}).update(deterministic=deterministic, **engine)
+    return args
+
+
+def one_dtype(config: dict, dtype: str, deterministic: bool, url: str, max_tokens: int) -> dict:
+    from ray import serve
+
+    args = with_engine(config, dtype, deterministic)
+    model = args["models"][0]
     try:
-        wait_ready(url)
-        wait_all_running(APP, deployment, 2, timeout_s=300)
+        deployment = deployed(args, url)
         requests = bodies(model["id"], max_tokens)
         alone = one_at_a_time(url, requests)
         among = asyncio.run(run_streams(url, requests + bodies(model["id"], max_tokens, OTHERS, STREAMS), None,
@@ -123,10 +143,14 @@ def one_dtype(config: dict, dtype: str, deterministic: bool, url: str, max_token
         disturbed = asyncio.run(run_streams(url, requests, STREAMS * max_tokens // 3, kill))
         resumes = (resumes_counted(url, model["id"]) or 0) - before
         replaced = wait_replaced(APP, deployment, killed[0], 2, started, 300) if killed else None
+        serve.delete(APP)
+        deployed(with_engine(config, dtype, deterministic, **OTHER_BUDGET), url)
+        other_budget = asyncio.run(run_streams(url, requests, None, None))
         equal, greedy = matches(undisturbed, disturbed)
         return {"dtype": dtype, "deterministic": deterministic,
                 "vs alone": {"among 63 others": equal_to(alone, among), "after a cache hit": equal_to(alone, after_hit),
-                             "16 at once": equal_to(alone, undisturbed), "16 with a kill": equal_to(alone, disturbed)},
+                             "16 at once": equal_to(alone, undisturbed), "16 with a kill": equal_to(alone, disturbed),
+                             "budget 48": equal_to(alone, other_budget)},
                 "equal": equal, "greedy_equal": greedy, "seeded_equal": equal - greedy,
                 "streams": STREAMS, "resumes": resumes, "killed": killed, "replaced_s": replaced,
                 "differing": [i for i, (a, b) in enumerate(zip(undisturbed, disturbed)) if a != b]}
