@@ -19,6 +19,7 @@ so both share one thread pool. */
 #include <stdint.h>
 #include <math.h>
 #include <string.h>
+#include <stdlib.h>
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -668,8 +669,206 @@ static void group_pair_tile(int fmt, const uint8_t *group, int64_t group_bytes, 
 #undef PAIR_FORMAT
 #undef PAIR_CASE
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+/* ---- AMX tiles (Sapphire Rapids and later Xeons) for a group pair over many rows ----
+   One tile multiply takes a block of 32 columns for 16 activation rows and the pair's 16
+   output features at once (llama.cpp's AMX kernels use the same 16 x 16 x 32 shape, as
+   GGUF's scales change every 32 columns): A = the rows' 8-bit values (16 x 32 bytes, read
+   in place), B = the block's 8 runs as 16 features x 4 columns each (the interleaved
+   layout's runs are that already, once Q4's nibbles are split), C = 16 x 16 int32 sums.
+   The sums are the same integers the VNNI loop adds, and each row's scale and minimum go
+   in with the same FMAs in the same order: the very same floats, whatever the number of
+   rows, so a row's result still does not depend on its batch. Worth it from AMX_MIN_ROWS
+   8-bit rows on (below, the VNNI loop's register tiles win: tools.bench.quant_kernels). */
+#define AMX_TILES 1
+#ifndef AMX_MIN_ROWS
+#define AMX_MIN_ROWS 8
+#endif
+#define AMX_ROWS 16
+#include <sys/syscall.h>
+#include <unistd.h>
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+/* Tile registers (gcc's intrinsics paste the numbers into the instruction: literals only):
+   two blocks in flight, so one block's sums are stored and scaled while the next multiplies. */
+#define TILE_A0 0
+#define TILE_A1 1
+#define TILE_B0 2
+#define TILE_B1 3
+#define TILE_C0 4
+#define TILE_C1 5
+
+/* Linux lends a process the tile registers only once it asks (arch_prctl); asked once. */
+static int amx_permitted(void) {
+    static int state = 0;  /* 0: not asked yet, 1: lent, -1: refused */
+    int seen = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
+    if (seen == 0) {
+        seen = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+        __atomic_store_n(&state, seen, __ATOMIC_RELEASE);
+    }
+    return seen == 1;
+}
+
+static int amx_takes(int fmt) { return fmt == FMT_Q4_0 || fmt == FMT_Q4_1 || fmt == FMT_Q4_F32 || fmt == FMT_Q8_0; }
+
+/* The tile shapes for tiles of `rows` activation rows. The configuration is the thread's
+   state, and oneDNN's own AMX kernels (torch's bfloat16 products) load theirs on the same
+   threads between our calls: loaded at each call's first tile, and when `rows` changes. */
+static void load_tile_shapes(int rows) {
+    /* Thread-local, not on the stack: gcc's _tile_loadconfig tells the compiler it reads 8
+       bytes, so the stores to a local's other fields were dropped as dead. */
+    static __thread struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; }
+        __attribute__((aligned(64))) shapes;
+    memset(&shapes, 0, sizeof shapes);
+    shapes.palette = 1;
+    for (int t = TILE_A0; t <= TILE_A1; t++) { shapes.rows[t] = rows; shapes.colsb[t] = QK; }
+    for (int t = TILE_B0; t <= TILE_B1; t++) { shapes.rows[t] = QK / 4; shapes.colsb[t] = 64; }
+    for (int t = TILE_C0; t <= TILE_C1; t++) { shapes.rows[t] = rows; shapes.colsb[t] = 64; }
+    _tile_loadconfig(&shapes);
+}
+
+/* The pair's block as tile B (`out`: 8 rows of 64 bytes): Q8_0's 8 runs as they are; Q4's 4
+   runs' low nibbles (columns 0-15) then their high nibbles (16-31). */
+static inline void pair_block_tile(int fmt, const uint8_t *qs, const uint8_t *qs2, uint8_t *out) {
+    if (fmt == FMT_Q8_0) {
+        for (int g = 0; g < 8; g++) _mm512_store_si512((__m512i *)(out + 64 * g), join_si(qs + 32 * g, qs2 + 32 * g));
+        return;
+    }
+    const __m512i mask = _mm512_set1_epi8(0x0f);
+    for (int i = 0; i < 4; i++) {
+        __m512i v = join_si(qs + 32 * i, qs2 + 32 * i);
+        _mm512_store_si512((__m512i *)(out + 64 * i), _mm512_and_si512(v, mask));
+        _mm512_store_si512((__m512i *)(out + 64 * (4 + i)), _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
+    }
+}
+
+/* Every block of a group pair as tile B, in this thread's buffer (kept between calls; NULL
+   when it cannot grow). */
+static uint8_t *pair_tiles(int fmt, const uint8_t *group, int64_t group_bytes, int64_t nblocks) {
+    static __thread uint8_t *buffer;
+    static __thread int64_t capacity;
+    const int64_t bytes = nblocks * 8 * 64, gbb = GROUP_ROWS * block_bytes(fmt), fields = GROUP_ROWS * fields_bytes(fmt);
+    if (bytes > capacity) {
+        free(buffer);
+        buffer = aligned_alloc(64, bytes);
+        capacity = buffer ? bytes : 0;
+        if (!buffer) return NULL;
+    }
+    for (int64_t b = 0; b < nblocks; b++)
+        pair_block_tile(fmt, group + b * gbb + fields, group + group_bytes + b * gbb + fields, buffer + b * 8 * 64);
+    return buffer;
+}
+
+/* acc[r] for `rows` rows after block b's sums (row r's 16 int32 at sums + 16 r):
+   group_pair_rows_q8's FMAs, in its order. */
+static inline __attribute__((always_inline)) void pair_block_fmas(int fmt, const uint8_t *group, int64_t group_bytes,
+                                                                  const int32_t *sums, const act_block *meta,
+                                                                  int64_t nblocks, int64_t b, int rows, __m512 *acc) {
+    const uint8_t *blk = group + b * GROUP_ROWS * block_bytes(fmt);
+    __m256 d1, d1_hi, m1, d2, d2_hi, m2;
+    group_fields(fmt, blk, &d1, &d1_hi, &m1);
+    group_fields(fmt, blk + group_bytes, &d2, &d2_hi, &m2);
+    const __m512 d = join_ps(d1, d2), m = join_ps(m1, m2);
+    for (int r = 0; r < rows; r++) {
+        const act_block *a = meta + r * nblocks + b;
+        __m512 s = _mm512_cvtepi32_ps(_mm512_load_si512((const __m512i *)(sums + 16 * r)));
+        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a->scale)), s, acc[r]);
+        if (fmt != FMT_Q8_0) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a->sum), acc[r]);
+    }
+}
+
+/* Block b's sums for the loaded tile shape into C (A: the rows' columns of the block; B:
+   the block's tile), and stored at `sums`. */
+#define BLOCK_SUMS(C, A, B, b, sums)                                                     \
+    do {                                                                                \
+        _tile_zero(C);                                                                  \
+        _tile_loadd(A, xq + (b) * QK, K);                                               \
+        _tile_loadd(B, tiles + (b) * 8 * 64, 64);                                       \
+        if (fmt == FMT_Q8_0) _tile_dpbssd(C, A, B); else _tile_dpbsud(C, A, B);         \
+    } while (0)
+
+/* `rows` (<= AMX_ROWS, the loaded shape) 8-bit rows against the pair's 16 features, whose
+   blocks are `tiles`: y's rows (rows / levels of them) get the pair's 16 outputs. */
+static inline __attribute__((always_inline)) void pair_rows_amx(int fmt, const uint8_t *group, int64_t group_bytes,
+                                                                const uint8_t *tiles, int64_t nblocks,
+                                                                const int8_t *xq, const act_block *meta, int64_t K,
+                                                                int rows, int levels, float *y, int64_t ldy,
+                                                                int accumulate) {
+    int32_t sums[2][AMX_ROWS * 16] __attribute__((aligned(64)));
+    __m512 acc[AMX_ROWS];
+    for (int r = 0; r < AMX_ROWS; r++) acc[r] = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 1 < nblocks; b += 2) {
+        BLOCK_SUMS(TILE_C0, TILE_A0, TILE_B0, b, sums[0]);
+        BLOCK_SUMS(TILE_C1, TILE_A1, TILE_B1, b + 1, sums[1]);
+        _tile_stored(TILE_C0, sums[0], 64);
+        _tile_stored(TILE_C1, sums[1], 64);
+        pair_block_fmas(fmt, group, group_bytes, sums[0], meta, nblocks, b, rows, acc);
+        pair_block_fmas(fmt, group, group_bytes, sums[1], meta, nblocks, b + 1, rows, acc);
+    }
+    if (b < nblocks) {
+        BLOCK_SUMS(TILE_C0, TILE_A0, TILE_B0, b, sums[0]);
+        _tile_stored(TILE_C0, sums[0], 64);
+        pair_block_fmas(fmt, group, group_bytes, sums[0], meta, nblocks, b, rows, acc);
+    }
+    for (int r = 0; r < rows; r += levels) {
+        float *out = y + r / levels * ldy;
+        __m512 sum = levels == 2 ? _mm512_add_ps(acc[r], acc[r + 1]) : acc[r];
+        _mm512_storeu_ps(out, accumulate ? _mm512_add_ps(_mm512_loadu_ps(out), sum) : sum);
+    }
+}
+#undef BLOCK_SUMS
+#else
+#define AMX_TILES 0
+#endif
 #else
 #define PAIRED_GROUPS 0
+#define AMX_TILES 0
+#endif
+
+#if AMX_TILES
+/* interleaved_product_shared's tiles through AMX: each group pair against each tile of
+   AMX_ROWS 8-bit rows (an odd last group, or a pair whose tiles find no memory, through the
+   VNNI loop). An orphaned `omp for`. */
+static void amx_product_shared(int fmt, const uint8_t *w, int64_t N, int64_t K, const int8_t *xq,
+                               const act_block *meta, int64_t M, int levels, float *y, int accumulate) {
+    const int64_t nblocks = K / QK, groups = N / GROUP_ROWS, group_bytes = GROUP_ROWS * nblocks * block_bytes(fmt);
+    const int64_t units = (groups + 1) / 2;
+    int shape = 0;  /* the rows of this thread's loaded tile shapes (0: none loaded yet) */
+    #pragma omp for schedule(static)
+    for (int64_t u = 0; u < units; u++) {
+        const int64_t g = 2 * u;
+        const uint8_t *group = w + g * group_bytes;
+        const uint8_t *tiles = g + 1 < groups ? pair_tiles(fmt, group, group_bytes, nblocks) : NULL;
+        for (int64_t m0 = 0; m0 < M; m0 += AMX_ROWS) {
+            const int rows = M - m0 < AMX_ROWS ? (int)(M - m0) : AMX_ROWS;
+            float *out = y + m0 / levels * N + g * GROUP_ROWS;
+            if (tiles == NULL) {
+                for (int r0 = 0; r0 < rows; r0 += GEMM_ROWS) {
+                    const int n = rows - r0 < GEMM_ROWS ? rows - r0 : GEMM_ROWS;
+                    const int8_t *x0 = xq + (m0 + r0) * K;
+                    const act_block *meta0 = meta + (m0 + r0) * nblocks;
+                    if (g + 1 < groups) group_pair_tile(fmt, group, group_bytes, nblocks, x0, meta0, K, n, levels,
+                                                        out + r0 / levels * N, N, accumulate);
+                    else group_tile(fmt, group, nblocks, x0, meta0, K, n, levels, out + r0 / levels * N, N, accumulate);
+                }
+                continue;
+            }
+            if (shape != rows) {
+                load_tile_shapes(rows);
+                shape = rows;
+            }
+            if (rows == AMX_ROWS)
+                pair_rows_amx(fmt, group, group_bytes, tiles, nblocks, xq + m0 * K, meta + m0 * nblocks, K, AMX_ROWS,
+                              levels, out, N, accumulate);
+            else
+                pair_rows_amx(fmt, group, group_bytes, tiles, nblocks, xq + m0 * K, meta + m0 * nblocks, K, rows,
+                              levels, out, N, accumulate);
+        }
+    }
+    if (shape) _tile_release();  /* the registers' state no longer saved at each context switch */
+}
 #endif
 
 /* Bytes of `work` interleaved_matmul needs: M * levels * K int8 values and as many / 32
@@ -702,6 +901,12 @@ static void interleaved_product_shared(int fmt, const uint8_t *w, int64_t N, int
     act_block *meta = (act_block *)(xq + M * levels * K);
     quantize_activations_shared(x, M, K, levels, xq, meta, pro, (float *)(meta + M * levels * nblocks));
     M *= levels;  /* from here on, rows of quantized activations */
+#if AMX_TILES
+    if (M >= AMX_MIN_ROWS && amx_takes(fmt) && amx_permitted()) {
+        amx_product_shared(fmt, w, N, K, xq, meta, M, levels, y, accumulate);
+        return;
+    }
+#endif
     int64_t panel = PANEL_BYTES / K / GEMM_ROWS * GEMM_ROWS;
     if (panel < GEMM_ROWS) panel = GEMM_ROWS;
     int64_t panels = (M + panel - 1) / panel;

@@ -256,6 +256,44 @@ def test_vnni_products_equal_the_avx2_ones_bit_for_bit(tmp_path, fmt):
                                    native.interleaved_matmul(packed.fmt, interleaved, features, 256, x, levels))
 
 
+def _gcc_macros() -> str:
+    import shutil
+    import subprocess
+
+    if shutil.which("gcc") is None:
+        return ""
+    return subprocess.run(["gcc", "-march=native", "-dM", "-E", "-"], input="", capture_output=True, text=True,
+                          timeout=60).stdout
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or "__AMX_INT8__" not in _gcc_macros()
+                    or "__AVX512VNNI__" not in _gcc_macros(), reason="a CPU with AMX int8 tiles")
+@pytest.mark.parametrize("fmt", FORMATS + K_QUANTS, ids=lambda f: f.name)
+def test_amx_products_equal_the_vnni_ones_bit_for_bit(tmp_path, fmt):
+    """The native build's AMX tiles (16 rows x 32 columns x 16 features a multiply, from 8
+    8-bit rows on) against the same source built without AMX: the same integer sums and
+    FMAs, so the very same floats, on both sides of the threshold, full tiles and a short
+    last one, both levels, an odd last group, and the fused path's prologue and residual add."""
+    import ctypes
+    import subprocess
+
+    from workers.quant import native_kernels
+
+    target = tmp_path / "no_amx.so"
+    subprocess.run(["gcc", "-O3", "-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16", "-fopenmp",
+                    "-shared", "-fPIC", "-o", str(target), str(native_kernels.SOURCE)], check=True,
+                   capture_output=True, timeout=120)
+    vnni, native = QuantKernels(ctypes.CDLL(str(target))), kernels()
+    for features in (48, 56):
+        packed, _ = _packed_k_quant(fmt, features, 256) if fmt in K_QUANTS else _packed(fmt, features, 256)
+        interleaved = interleave_rows(packed.blocks, packed.fmt)
+        for rows in (3, 4, 7, 8, 16, 17, 40):
+            x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+            for levels in (1, 2):
+                assert torch.equal(vnni.interleaved_matmul(packed.fmt, interleaved, features, 256, x, levels),
+                                   native.interleaved_matmul(packed.fmt, interleaved, features, 256, x, levels))
+
+
 def test_portable_build_widens_every_e4m3_code_as_torch_does(tmp_path):
     """FP8 blocks (fp8_blocks.py) through the portable loops, whose fp16 conversion is
     software (no F16C), subnormal codes included."""
