@@ -4,7 +4,7 @@ speculative rows carry their acceptance figures from that engine's counters."""
 from __future__ import annotations
 
 from tests.support.engines import make_engine, prompt_ids, run_to_completion
-from tools.bench.spec import measure
+from tools.bench.spec import lookup_ceiling, measure
 from workers.contract.sampling_params import SamplingParams
 from workers.core.limits import SpeculativeLimits
 
@@ -30,3 +30,15 @@ def test_levels_off_and_on_with_acceptance(paged_model, tiny_tokenizer):
     spec = [x for x in levels if x.speculative]
     assert all(0 < x.accepted_per_draft_token <= 1 and x.tokens_per_verification > 1 for x in spec)
     assert all(x.accepted_per_draft_token == 0 for x in levels if not x.speculative)
+
+
+def test_lookup_ceiling_counts_the_steps_prompt_lookup_would_take():
+    """A verbatim copy of the prompt goes k+1 tokens a step once lookup finds it; an answer
+    with nothing of the prompt in it goes one token a step."""
+    prompt = list(range(100, 140))
+    copy = prompt[:33]
+    # Step 1 (prefill) gives copy[0]; lookup needs 2 tokens, so step 2 gives copy[1]; from
+    # then on each step takes 4 proposals + its own token: 31 tokens in 7 more steps.
+    assert lookup_ceiling(prompt, copy, 4, 2, 4) == 33 / 9
+    assert lookup_ceiling(prompt, list(range(500, 520)), 4, 2, 4) == 1.0
+    assert lookup_ceiling(prompt, [], 4, 2, 4) == 0.0

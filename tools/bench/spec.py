@@ -13,7 +13,11 @@ median of its rounds (this machine's noise is +-20 % between runs minutes apart)
 engine takes configs/default.yaml's limits, plus `speculative` with the numbers given
 (`--disable-by-batch-size 0` lets a step of any batch propose: what it costs at c=16).
 Reported: output tok/s, TPOT, and with speculation the tokens accepted per proposal and
-the mean tokens a verification step gave its sequence.
+the mean tokens a verification step gave its sequence. For the edit load, also its
+ceiling: the greedy answer (up to the end of its turn) replayed through the same prompt
+lookup, the tokens a step would give if a verification cost no more than a plain step, at
+`--num-speculative-tokens` and at 16 proposals (what the answer's own text allows,
+whatever the engine's speed).
 
 `--method draft` proposes with a draft model: `--draft-source` (any model source with the
 default model's tokenizer), or by default the default model's own first `--draft-layers`
@@ -44,6 +48,7 @@ from workers.engine.llm_engine import LLMEngine
 from workers.model.attention import register_paged_attention
 from workers.model.loader import load_model
 from workers.serving.host_memory import keep_freed_memory
+from workers.speculative.ngram_proposer import NgramIndex
 
 EDIT_TEXT = (
     "Ray Serve is a scalable model serving library for building online inference APIs. Serve is framework "
@@ -121,6 +126,32 @@ def measure(engines: dict[bool, LLMEngine], loads: dict[str, tuple[list[int], Sa
     return out
 
 
+def lookup_ceiling(prompt: list[int], answer: list[int], proposals: int, shortest: int, longest: int) -> float:
+    """Tokens a step for `answer` after `prompt` when each step takes its proposal (prompt
+    lookup, as NgramProposer makes them) up to the first wrong token, plus the step's own
+    token: the most speculation can give this text if verifying cost nothing."""
+    index, tokens, done, steps = NgramIndex(shortest, longest), list(prompt), 0, 0
+    while done < len(answer):
+        proposal = index.lookup(tokens, proposals) if done else []  # the first token comes from the prefill
+        taken = 0
+        while taken < len(proposal) and done + taken < len(answer) and proposal[taken] == answer[done + taken]:
+            taken += 1
+        step = min(taken + 1, len(answer) - done)
+        tokens += answer[done:done + step]
+        done += step
+        steps += 1
+    return len(answer) / steps if steps else 0.0
+
+
+def greedy_answer(engine: LLMEngine, prompt: list[int], max_tokens: int, end_id: int | None) -> list[int]:
+    """The engine's greedy answer to `prompt`, cut after `end_id` (the end of the turn)."""
+    engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    answer = []
+    while engine.has_work():
+        answer += [event.token_id for event in engine.step()]
+    return answer[:answer.index(end_id) + 1] if end_id in answer else answer
+
+
 def line(level: Level) -> str:
     spec = (f"  accepted/proposed={level.accepted_per_draft_token:.2f} tokens/verification="
             f"{level.tokens_per_verification:.2f}" if level.speculative else "")
@@ -196,10 +227,19 @@ def main(argv: list[str] | None = None) -> None:
     for engine in engines.values():  # warm-up
         run_level(engine, loads["chat"][0], SamplingParams(max_tokens=8), 1, 1)
     levels = measure(engines, {k: loads[k] for k in args.loads}, args.concurrency, args.rounds)
+    ceiling = {}
+    if "edit" in args.loads:
+        prompt = loads["edit"][0]
+        end_of_turn = loaded.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        answer = greedy_answer(engines[False], prompt, args.max_tokens, end_of_turn)
+        ceiling = {k: lookup_ceiling(prompt, answer, k, args.lookup_min, args.lookup_max)
+                   for k in sorted({args.num_speculative_tokens, 16})}
+        print(f"edit ceiling: the greedy answer's {len(answer)} tokens by prompt lookup, verification free: "
+              + ", ".join(f"{v:.2f} tokens a step at {k} proposals" for k, v in ceiling.items()), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cpu_threads": torch.get_num_threads(), "levels": [dataclasses.asdict(x) for x in levels],
-                       "speculative": spec.model_dump()}, f, indent=2)
+                       "speculative": spec.model_dump(), "edit_ceiling_tokens_a_step": ceiling}, f, indent=2)
 
 
 if __name__ == "__main__":
