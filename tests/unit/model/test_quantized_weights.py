@@ -232,20 +232,12 @@ def _has_vnni() -> bool:
 
 @pytest.mark.skipif(platform.machine() != "x86_64" or not _has_vnni(), reason="a CPU with VNNI (integer dot products)")
 @pytest.mark.parametrize("fmt", FORMATS + K_QUANTS, ids=lambda f: f.name)
-def test_vnni_products_equal_the_avx2_ones_bit_for_bit(tmp_path, fmt):
+def test_vnni_products_equal_the_avx2_ones_bit_for_bit(tmp_path_factory, fmt):
     """The native build's VNNI dot products (and, with AVX-512 VNNI, two groups of 8 output
     features a 512-bit register) against the same source built without VNNI (maddubs +
     madd, one group at a time): integer sums, so the very same floats at 1 to 9 rows and
     both levels, with an even and an odd number of groups (the last one alone)."""
-    import ctypes
-    import subprocess
-
-    from workers.quant import native_kernels
-
-    target = tmp_path / "no_vnni.so"
-    subprocess.run(["gcc", "-O3", "-march=native", "-mno-avxvnni", "-mno-avx512vnni", "-fopenmp", "-shared", "-fPIC",
-                    "-o", str(target), str(native_kernels.SOURCE)], check=True, capture_output=True, timeout=120)
-    avx2, native = QuantKernels(ctypes.CDLL(str(target))), kernels()
+    avx2, native = _native_build_without(tmp_path_factory, "-mno-avxvnni", "-mno-avx512vnni"), kernels()
     for features in (48, 56):
         packed, _ = _packed_k_quant(fmt, features, 256) if fmt in K_QUANTS else _packed(fmt, features, 256)
         interleaved = interleave_rows(packed.blocks, packed.fmt)
@@ -254,6 +246,25 @@ def test_vnni_products_equal_the_avx2_ones_bit_for_bit(tmp_path, fmt):
             for levels in (1, 2):
                 assert torch.equal(avx2.interleaved_matmul(packed.fmt, interleaved, features, 256, x, levels),
                                    native.interleaved_matmul(packed.fmt, interleaved, features, 256, x, levels))
+
+
+_VARIANTS: dict[tuple[str, ...], QuantKernels] = {}
+
+
+def _native_build_without(tmp_path_factory, *flags: str) -> QuantKernels:
+    """cpu_kernels.c built for this CPU less some instructions (`flags`: gcc's -mno-...), once
+    a session: the path a CPU without them runs, to compare with the native build."""
+    import ctypes
+    import subprocess
+
+    from workers.quant import native_kernels
+
+    if flags not in _VARIANTS:
+        target = tmp_path_factory.mktemp("kernels") / "variant.so"
+        subprocess.run(["gcc", "-O3", "-march=native", *flags, "-fopenmp", "-shared", "-fPIC", "-o", str(target),
+                        str(native_kernels.SOURCE)], check=True, capture_output=True, timeout=120)
+        _VARIANTS[flags] = QuantKernels(ctypes.CDLL(str(target)))
+    return _VARIANTS[flags]
 
 
 def _gcc_macros() -> str:
@@ -269,21 +280,12 @@ def _gcc_macros() -> str:
 @pytest.mark.skipif(platform.machine() != "x86_64" or "__AMX_INT8__" not in _gcc_macros()
                     or "__AVX512VNNI__" not in _gcc_macros(), reason="a CPU with AMX int8 tiles")
 @pytest.mark.parametrize("fmt", FORMATS + K_QUANTS, ids=lambda f: f.name)
-def test_amx_products_equal_the_vnni_ones_bit_for_bit(tmp_path, fmt):
+def test_amx_products_equal_the_vnni_ones_bit_for_bit(tmp_path_factory, fmt):
     """The native build's AMX tiles (16 rows x 32 columns x 16 features a multiply, from 8
     8-bit rows on) against the same source built without AMX: the same integer sums and
     FMAs, so the very same floats, on both sides of the threshold, full tiles and a short
     last one, both levels, an odd last group, and the fused path's prologue and residual add."""
-    import ctypes
-    import subprocess
-
-    from workers.quant import native_kernels
-
-    target = tmp_path / "no_amx.so"
-    subprocess.run(["gcc", "-O3", "-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16", "-fopenmp",
-                    "-shared", "-fPIC", "-o", str(target), str(native_kernels.SOURCE)], check=True,
-                   capture_output=True, timeout=120)
-    vnni, native = QuantKernels(ctypes.CDLL(str(target))), kernels()
+    vnni, native = _native_build_without(tmp_path_factory, "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"), kernels()
     for features in (48, 56):
         packed, _ = _packed_k_quant(fmt, features, 256) if fmt in K_QUANTS else _packed(fmt, features, 256)
         interleaved = interleave_rows(packed.blocks, packed.fmt)
