@@ -686,6 +686,7 @@ static void group_pair_tile(int fmt, const uint8_t *group, int64_t group_bytes, 
 #define AMX_MIN_ROWS 8
 #endif
 #define AMX_ROWS 16
+#define AMX_PANEL_ROWS 128  /* 8-bit rows a panel: 128 x K bytes, in L2 for K up to ~8,000 */
 #include <sys/syscall.h>
 #include <unistd.h>
 #define ARCH_REQ_XCOMP_PERM 0x1023
@@ -831,40 +832,55 @@ static inline __attribute__((always_inline)) void pair_rows_amx(int fmt, const u
 /* interleaved_product_shared's tiles through AMX: each group pair against each tile of
    AMX_ROWS 8-bit rows (an odd last group, or a pair whose tiles find no memory, through the
    VNNI loop). An orphaned `omp for`. */
+/* A tile's rows through the VNNI loop, GEMM_ROWS at a time: a pair (`paired`), or an odd last group. */
+static void rows_without_tiles(int fmt, const uint8_t *group, int64_t group_bytes, int paired, int64_t nblocks,
+                               const int8_t *xq, const act_block *meta, int64_t K, int rows, int levels, float *y,
+                               int64_t ldy, int accumulate) {
+    for (int r0 = 0; r0 < rows; r0 += GEMM_ROWS) {
+        const int n = rows - r0 < GEMM_ROWS ? rows - r0 : GEMM_ROWS;
+        const int8_t *x = xq + r0 * K;
+        const act_block *m = meta + r0 * nblocks;
+        float *out = y + r0 / levels * ldy;
+        if (paired) group_pair_tile(fmt, group, group_bytes, nblocks, x, m, K, n, levels, out, ldy, accumulate);
+        else group_tile(fmt, group, nblocks, x, m, K, n, levels, out, ldy, accumulate);
+    }
+}
+
 static void amx_product_shared(int fmt, const uint8_t *w, int64_t N, int64_t K, const int8_t *xq,
                                const act_block *meta, int64_t M, int levels, float *y, int accumulate) {
     const int64_t nblocks = K / QK, groups = N / GROUP_ROWS, group_bytes = GROUP_ROWS * nblocks * block_bytes(fmt);
-    const int64_t units = (groups + 1) / 2;
+    const int64_t units = (groups + 1) / 2, panels = (M + AMX_PANEL_ROWS - 1) / AMX_PANEL_ROWS;
     int shape = 0;  /* the rows of this thread's loaded tile shapes (0: none loaded yet) */
-    #pragma omp for schedule(static)
-    for (int64_t u = 0; u < units; u++) {
-        const int64_t g = 2 * u;
-        const uint8_t *group = w + g * group_bytes;
-        const uint8_t *tiles = g + 1 < groups ? pair_tiles(fmt, group, group_bytes, nblocks) : NULL;
-        for (int64_t m0 = 0; m0 < M; m0 += AMX_ROWS) {
-            const int rows = M - m0 < AMX_ROWS ? (int)(M - m0) : AMX_ROWS;
-            float *out = y + m0 / levels * N + g * GROUP_ROWS;
-            if (tiles == NULL) {
-                for (int r0 = 0; r0 < rows; r0 += GEMM_ROWS) {
-                    const int n = rows - r0 < GEMM_ROWS ? rows - r0 : GEMM_ROWS;
-                    const int8_t *x0 = xq + (m0 + r0) * K;
-                    const act_block *meta0 = meta + (m0 + r0) * nblocks;
-                    if (g + 1 < groups) group_pair_tile(fmt, group, group_bytes, nblocks, x0, meta0, K, n, levels,
-                                                        out + r0 / levels * N, N, accumulate);
-                    else group_tile(fmt, group, nblocks, x0, meta0, K, n, levels, out + r0 / levels * N, N, accumulate);
+    /* Panels of rows outermost: a thread's panel of 8-bit rows stays in its L2 cache while
+       every group pair's weights pass (a prompt's 2,000 rows would stream from memory once
+       a pair); a pair's tiles are split again for each panel. */
+    #pragma omp for collapse(2) schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        for (int64_t u = 0; u < units; u++) {
+            const int64_t g = 2 * u, end = (p + 1) * AMX_PANEL_ROWS < M ? (p + 1) * AMX_PANEL_ROWS : M;
+            const uint8_t *group = w + g * group_bytes;
+            const uint8_t *tiles = g + 1 < groups ? pair_tiles(fmt, group, group_bytes, nblocks) : NULL;
+            for (int64_t m0 = p * AMX_PANEL_ROWS; m0 < end; m0 += AMX_ROWS) {
+                const int rows = end - m0 < AMX_ROWS ? (int)(end - m0) : AMX_ROWS;
+                float *out = y + m0 / levels * N + g * GROUP_ROWS;
+                const int8_t *x0 = xq + m0 * K;
+                const act_block *meta0 = meta + m0 * nblocks;
+                if (tiles == NULL) {
+                    rows_without_tiles(fmt, group, group_bytes, g + 1 < groups, nblocks, x0, meta0, K, rows, levels, out,
+                                       N, accumulate);
+                    continue;
                 }
-                continue;
+                if (shape != rows) {
+                    load_tile_shapes(rows);
+                    shape = rows;
+                }
+                if (rows == AMX_ROWS)  /* a constant row count: the 16 accumulators stay in registers */
+                    pair_rows_amx(fmt, group, group_bytes, tiles, nblocks, x0, meta0, K, AMX_ROWS, levels, out, N,
+                                  accumulate);
+                else
+                    pair_rows_amx(fmt, group, group_bytes, tiles, nblocks, x0, meta0, K, rows, levels, out, N,
+                                  accumulate);
             }
-            if (shape != rows) {
-                load_tile_shapes(rows);
-                shape = rows;
-            }
-            if (rows == AMX_ROWS)
-                pair_rows_amx(fmt, group, group_bytes, tiles, nblocks, xq + m0 * K, meta + m0 * nblocks, K, AMX_ROWS,
-                              levels, out, N, accumulate);
-            else
-                pair_rows_amx(fmt, group, group_bytes, tiles, nblocks, xq + m0 * K, meta + m0 * nblocks, K, rows,
-                              levels, out, N, accumulate);
         }
     }
     if (shape) _tile_release();  /* the registers' state no longer saved at each context switch */
