@@ -680,7 +680,8 @@ static void group_pair_tile(int fmt, const uint8_t *group, int64_t group_bytes, 
    The sums are the same integers the VNNI loop adds, and each row's scale and minimum go
    in with the same FMAs in the same order: the very same floats, whatever the number of
    rows, so a row's result still does not depend on its batch. Worth it from AMX_MIN_ROWS
-   8-bit rows on (below, the VNNI loop's register tiles win: tools.bench.quant_kernels). */
+   8-bit rows on (the default model's Q4_1 products at 8: about even with the VNNI loop's
+   register tiles; at 16, 1.2-1.3x; at 128, 1.4-1.5x; its Q8_0 head 1.8-1.9x from 16). */
 #define AMX_TILES 1
 #ifndef AMX_MIN_ROWS
 #define AMX_MIN_ROWS 8
@@ -711,28 +712,39 @@ static int amx_permitted(void) {
     return seen == 1;
 }
 
-static int amx_takes(int fmt) { return fmt == FMT_Q4_0 || fmt == FMT_Q4_1 || fmt == FMT_Q4_F32 || fmt == FMT_Q8_0; }
+static int amx_takes(int fmt) {
+    return fmt == FMT_Q4_0 || fmt == FMT_Q4_1 || fmt == FMT_Q4_F32 || fmt == FMT_Q8_0 || fmt == FMT_Q8_F32;
+}
+
+/* From how many 8-bit rows the tiles beat the VNNI loop: a Q8_F32 block takes two multiplies
+   (3072 x 1536 Q6_K at int8x2: 4 rows 0.27 VNNI vs 0.33 ms, 8 rows 0.48 vs 0.45, 64 rows 3.13 vs
+   2.04; the Xeon of 2026-11-29). */
+static int amx_min_rows(int fmt) { return fmt == FMT_Q8_F32 ? 2 * AMX_MIN_ROWS : AMX_MIN_ROWS; }
+
+/* Columns a tile multiply takes: a block, or half of one for Q8_F32 (Q6_K's rewrite), whose
+   two halves have scales of their own. */
+static int amx_columns(int fmt) { return fmt == FMT_Q8_F32 ? QK / 2 : QK; }
 
 /* The tile shapes for tiles of `rows` activation rows. The configuration is the thread's
    state, and oneDNN's own AMX kernels (torch's bfloat16 products) load theirs on the same
    threads between our calls: loaded at each call's first tile, and when `rows` changes. */
-static void load_tile_shapes(int rows) {
+static void load_tile_shapes(int rows, int columns) {
     /* Thread-local, not on the stack: gcc's _tile_loadconfig tells the compiler it reads 8
        bytes, so the stores to a local's other fields were dropped as dead. */
     static __thread struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; }
         __attribute__((aligned(64))) shapes;
     memset(&shapes, 0, sizeof shapes);
     shapes.palette = 1;
-    for (int t = TILE_A0; t <= TILE_A1; t++) { shapes.rows[t] = rows; shapes.colsb[t] = QK; }
-    for (int t = TILE_B0; t <= TILE_B1; t++) { shapes.rows[t] = QK / 4; shapes.colsb[t] = 64; }
+    for (int t = TILE_A0; t <= TILE_A1; t++) { shapes.rows[t] = rows; shapes.colsb[t] = columns; }
+    for (int t = TILE_B0; t <= TILE_B1; t++) { shapes.rows[t] = columns / 4; shapes.colsb[t] = 64; }
     for (int t = TILE_C0; t <= TILE_C1; t++) { shapes.rows[t] = rows; shapes.colsb[t] = 64; }
     _tile_loadconfig(&shapes);
 }
 
-/* The pair's block as tile B (`out`: 8 rows of 64 bytes): Q8_0's 8 runs as they are; Q4's 4
-   runs' low nibbles (columns 0-15) then their high nibbles (16-31). */
+/* The pair's block as tile B (`out`: 8 rows of 64 bytes; rows 0-3 columns 0-15, rows 4-7
+   columns 16-31): Q8's 8 runs as they are; Q4's 4 runs' low nibbles then their high nibbles. */
 static inline void pair_block_tile(int fmt, const uint8_t *qs, const uint8_t *qs2, uint8_t *out) {
-    if (fmt == FMT_Q8_0) {
+    if (is_q8(fmt)) {
         for (int g = 0; g < 8; g++) _mm512_store_si512((__m512i *)(out + 64 * g), join_si(qs + 32 * g, qs2 + 32 * g));
         return;
     }
@@ -779,26 +791,56 @@ static inline __attribute__((always_inline)) void pair_block_fmas(int fmt, const
     }
 }
 
-/* Block b's sums for the loaded tile shape into C (A: the rows' columns of the block; B:
-   the block's tile), and stored at `sums`. */
-#define BLOCK_SUMS(C, A, B, b, sums)                                                     \
+/* The sums of the rows' columns from `column` on (as many as the loaded shape takes)
+   against B's rows from `tile` on, into C. */
+#define TILE_SUMS(C, A, B, column, tile)                                                 \
     do {                                                                                \
         _tile_zero(C);                                                                  \
-        _tile_loadd(A, xq + (b) * QK, K);                                               \
-        _tile_loadd(B, tiles + (b) * 8 * 64, 64);                                       \
-        if (fmt == FMT_Q8_0) _tile_dpbssd(C, A, B); else _tile_dpbsud(C, A, B);         \
+        _tile_loadd(A, xq + (column), K);                                               \
+        _tile_loadd(B, (tile), 64);                                                     \
+        if (is_q8(fmt)) _tile_dpbssd(C, A, B); else _tile_dpbsud(C, A, B);              \
     } while (0)
+/* Block b's sums (a whole block a multiply) into C. */
+#define BLOCK_SUMS(C, A, B, b, sums) TILE_SUMS(C, A, B, (b) * QK, tiles + (b) * 8 * 64)
 
-/* `rows` (<= AMX_ROWS, the loaded shape) 8-bit rows against the pair's 16 features, whose
-   blocks are `tiles`: y's rows (rows / levels of them) get the pair's 16 outputs. */
-static inline __attribute__((always_inline)) void pair_rows_amx(int fmt, const uint8_t *group, int64_t group_bytes,
-                                                                const uint8_t *tiles, int64_t nblocks,
-                                                                const int8_t *xq, const act_block *meta, int64_t K,
-                                                                int rows, int levels, float *y, int64_t ldy,
-                                                                int accumulate) {
+/* Q8_F32's pair_rows_amx: each block's two halves (columns 0-15 and 16-31) a multiply each,
+   then group_pair_rows_q8's FMAs (the low half's scale, the high half's, the minimum). */
+static inline __attribute__((always_inline)) void split_rows_amx(const uint8_t *group, int64_t group_bytes,
+                                                                 const uint8_t *tiles, int64_t nblocks,
+                                                                 const int8_t *xq, const act_block *meta, int64_t K,
+                                                                 int rows, __m512 *acc) {
+    const int fmt = FMT_Q8_F32;
     int32_t sums[2][AMX_ROWS * 16] __attribute__((aligned(64)));
-    __m512 acc[AMX_ROWS];
-    for (int r = 0; r < AMX_ROWS; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nblocks; b++) {
+        const uint8_t *tile = tiles + b * 8 * 64;
+        TILE_SUMS(TILE_C0, TILE_A0, TILE_B0, b * QK, tile);
+        TILE_SUMS(TILE_C1, TILE_A1, TILE_B1, b * QK + QK / 2, tile + 4 * 64);
+        _tile_stored(TILE_C0, sums[0], 64);
+        _tile_stored(TILE_C1, sums[1], 64);
+        const uint8_t *blk = group + b * GROUP_ROWS * block_bytes(fmt);
+        __m256 d1, d1_hi, m1, d2, d2_hi, m2;
+        group_fields(fmt, blk, &d1, &d1_hi, &m1);
+        group_fields(fmt, blk + group_bytes, &d2, &d2_hi, &m2);
+        const __m512 d = join_ps(d1, d2), d_hi = join_ps(d1_hi, d2_hi), m = join_ps(m1, m2);
+        for (int r = 0; r < rows; r++) {
+            const act_block *a = meta + r * nblocks + b;
+            const __m512 scale = _mm512_set1_ps(a->scale);
+            __m512 lo = _mm512_cvtepi32_ps(_mm512_load_si512((const __m512i *)(sums[0] + 16 * r)));
+            __m512 hi = _mm512_cvtepi32_ps(_mm512_load_si512((const __m512i *)(sums[1] + 16 * r)));
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, scale), lo, acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d_hi, scale), hi, acc[r]);
+            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a->sum), acc[r]);
+        }
+    }
+}
+
+/* The other formats' blocks, a whole block a multiply, two blocks in flight: acc[r] as
+   group_pair_rows_q8 leaves it. */
+static inline __attribute__((always_inline)) void whole_rows_amx(int fmt, const uint8_t *group, int64_t group_bytes,
+                                                                 const uint8_t *tiles, int64_t nblocks,
+                                                                 const int8_t *xq, const act_block *meta, int64_t K,
+                                                                 int rows, __m512 *acc) {
+    int32_t sums[2][AMX_ROWS * 16] __attribute__((aligned(64)));
     int64_t b = 0;
     for (; b + 1 < nblocks; b += 2) {
         BLOCK_SUMS(TILE_C0, TILE_A0, TILE_B0, b, sums[0]);
@@ -813,6 +855,19 @@ static inline __attribute__((always_inline)) void pair_rows_amx(int fmt, const u
         _tile_stored(TILE_C0, sums[0], 64);
         pair_block_fmas(fmt, group, group_bytes, sums[0], meta, nblocks, b, rows, acc);
     }
+}
+
+/* `rows` (<= AMX_ROWS, the loaded shape) 8-bit rows against the pair's 16 features, whose
+   blocks are `tiles`: y's rows (rows / levels of them) get the pair's 16 outputs. */
+static inline __attribute__((always_inline)) void pair_rows_amx(int fmt, const uint8_t *group, int64_t group_bytes,
+                                                                const uint8_t *tiles, int64_t nblocks,
+                                                                const int8_t *xq, const act_block *meta, int64_t K,
+                                                                int rows, int levels, float *y, int64_t ldy,
+                                                                int accumulate) {
+    __m512 acc[AMX_ROWS];
+    for (int r = 0; r < AMX_ROWS; r++) acc[r] = _mm512_setzero_ps();
+    if (fmt == FMT_Q8_F32) split_rows_amx(group, group_bytes, tiles, nblocks, xq, meta, K, rows, acc);
+    else whole_rows_amx(fmt, group, group_bytes, tiles, nblocks, xq, meta, K, rows, acc);
     for (int r = 0; r < rows; r += levels) {
         float *out = y + r / levels * ldy;
         __m512 sum = levels == 2 ? _mm512_add_ps(acc[r], acc[r + 1]) : acc[r];
@@ -820,6 +875,7 @@ static inline __attribute__((always_inline)) void pair_rows_amx(int fmt, const u
     }
 }
 #undef BLOCK_SUMS
+#undef TILE_SUMS
 #else
 #define AMX_TILES 0
 #endif
@@ -871,7 +927,7 @@ static void amx_product_shared(int fmt, const uint8_t *w, int64_t N, int64_t K, 
                     continue;
                 }
                 if (shape != rows) {
-                    load_tile_shapes(rows);
+                    load_tile_shapes(rows, amx_columns(fmt));
                     shape = rows;
                 }
                 if (rows == AMX_ROWS)  /* a constant row count: the 16 accumulators stay in registers */
@@ -918,7 +974,7 @@ static void interleaved_product_shared(int fmt, const uint8_t *w, int64_t N, int
     quantize_activations_shared(x, M, K, levels, xq, meta, pro, (float *)(meta + M * levels * nblocks));
     M *= levels;  /* from here on, rows of quantized activations */
 #if AMX_TILES
-    if (M >= AMX_MIN_ROWS && amx_takes(fmt) && amx_permitted()) {
+    if (amx_takes(fmt) && M >= amx_min_rows(fmt) && amx_permitted()) {
         amx_product_shared(fmt, w, N, K, xq, meta, M, levels, y, accumulate);
         return;
     }
