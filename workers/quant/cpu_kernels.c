@@ -591,6 +591,16 @@ static inline __m512i join_si(const uint8_t *lo, const uint8_t *hi) {
 }
 static inline __m512i broadcast4_512(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
 
+/* group_fields of a pair's two blocks (the second `group_bytes` after the first), side by side. */
+static inline void pair_fields(int fmt, const uint8_t *blk, int64_t group_bytes, __m512 *d, __m512 *d_hi, __m512 *m) {
+    __m256 d1, d1_hi, m1, d2, d2_hi, m2;
+    group_fields(fmt, blk, &d1, &d1_hi, &m1);
+    group_fields(fmt, blk + group_bytes, &d2, &d2_hi, &m2);
+    *d = join_ps(d1, d2);
+    *d_hi = join_ps(d1_hi, d2_hi);
+    *m = join_ps(m1, m2);
+}
+
 static inline __attribute__((always_inline)) void group_pair_rows_q8(int fmt, const uint8_t *group, int64_t group_bytes,
                                                                      int64_t nblocks, const int8_t *xq,
                                                                      const act_block *meta, int64_t K, int rows,
@@ -606,10 +616,8 @@ static inline __attribute__((always_inline)) void group_pair_rows_q8(int fmt, co
             _mm_prefetch((const char *)(blk + PREFETCH_BYTES + line), _MM_HINT_T0);
             _mm_prefetch((const char *)(blk2 + PREFETCH_BYTES + line), _MM_HINT_T0);
         }
-        __m256 d1, d1_hi, m1, d2, d2_hi, m2;
-        group_fields(fmt, blk, &d1, &d1_hi, &m1);
-        group_fields(fmt, blk2, &d2, &d2_hi, &m2);
-        const __m512 d = join_ps(d1, d2), d_hi = join_ps(d1_hi, d2_hi), m = join_ps(m1, m2);
+        __m512 d, d_hi, m;
+        pair_fields(fmt, blk, group_bytes, &d, &d_hi, &m);
         if (is_q8(fmt)) {
             for (int r = 0; r < rows; r++) {
                 const int8_t *xb = xq + r * K + b * QK;
@@ -773,20 +781,22 @@ static uint8_t *pair_tiles(int fmt, const uint8_t *group, int64_t group_bytes, i
     return buffer;
 }
 
-/* acc[r] for `rows` rows after block b's sums (row r's 16 int32 at sums + 16 r):
-   group_pair_rows_q8's FMAs, in its order. */
+/* acc[r] for `rows` rows after block b's sums (row r's 16 int32 at sums + 16 r; for Q8_F32
+   the block's first half there and its second at hi + 16 r): group_pair_rows_q8's FMAs, in
+   its order. */
 static inline __attribute__((always_inline)) void pair_block_fmas(int fmt, const uint8_t *group, int64_t group_bytes,
-                                                                  const int32_t *sums, const act_block *meta,
-                                                                  int64_t nblocks, int64_t b, int rows, __m512 *acc) {
-    const uint8_t *blk = group + b * GROUP_ROWS * block_bytes(fmt);
-    __m256 d1, d1_hi, m1, d2, d2_hi, m2;
-    group_fields(fmt, blk, &d1, &d1_hi, &m1);
-    group_fields(fmt, blk + group_bytes, &d2, &d2_hi, &m2);
-    const __m512 d = join_ps(d1, d2), m = join_ps(m1, m2);
+                                                                  const int32_t *sums, const int32_t *hi,
+                                                                  const act_block *meta, int64_t nblocks, int64_t b,
+                                                                  int rows, __m512 *acc) {
+    __m512 d, d_hi, m;
+    pair_fields(fmt, group + b * GROUP_ROWS * block_bytes(fmt), group_bytes, &d, &d_hi, &m);
     for (int r = 0; r < rows; r++) {
         const act_block *a = meta + r * nblocks + b;
-        __m512 s = _mm512_cvtepi32_ps(_mm512_load_si512((const __m512i *)(sums + 16 * r)));
-        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a->scale)), s, acc[r]);
+        const __m512 scale = _mm512_set1_ps(a->scale);
+        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, scale), _mm512_cvtepi32_ps(_mm512_load_si512(sums + 16 * r)), acc[r]);
+        if (fmt == FMT_Q8_F32)
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d_hi, scale), _mm512_cvtepi32_ps(_mm512_load_si512(hi + 16 * r)),
+                                     acc[r]);
         if (fmt != FMT_Q8_0) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a->sum), acc[r]);
     }
 }
@@ -801,7 +811,7 @@ static inline __attribute__((always_inline)) void pair_block_fmas(int fmt, const
         if (is_q8(fmt)) _tile_dpbssd(C, A, B); else _tile_dpbsud(C, A, B);              \
     } while (0)
 /* Block b's sums (a whole block a multiply) into C. */
-#define BLOCK_SUMS(C, A, B, b, sums) TILE_SUMS(C, A, B, (b) * QK, tiles + (b) * 8 * 64)
+#define BLOCK_SUMS(C, A, B, b) TILE_SUMS(C, A, B, (b) * QK, tiles + (b) * 8 * 64)
 
 /* Q8_F32's pair_rows_amx: each block's two halves (columns 0-15 and 16-31) a multiply each,
    then group_pair_rows_q8's FMAs (the low half's scale, the high half's, the minimum). */
@@ -817,20 +827,7 @@ static inline __attribute__((always_inline)) void split_rows_amx(const uint8_t *
         TILE_SUMS(TILE_C1, TILE_A1, TILE_B1, b * QK + QK / 2, tile + 4 * 64);
         _tile_stored(TILE_C0, sums[0], 64);
         _tile_stored(TILE_C1, sums[1], 64);
-        const uint8_t *blk = group + b * GROUP_ROWS * block_bytes(fmt);
-        __m256 d1, d1_hi, m1, d2, d2_hi, m2;
-        group_fields(fmt, blk, &d1, &d1_hi, &m1);
-        group_fields(fmt, blk + group_bytes, &d2, &d2_hi, &m2);
-        const __m512 d = join_ps(d1, d2), d_hi = join_ps(d1_hi, d2_hi), m = join_ps(m1, m2);
-        for (int r = 0; r < rows; r++) {
-            const act_block *a = meta + r * nblocks + b;
-            const __m512 scale = _mm512_set1_ps(a->scale);
-            __m512 lo = _mm512_cvtepi32_ps(_mm512_load_si512((const __m512i *)(sums[0] + 16 * r)));
-            __m512 hi = _mm512_cvtepi32_ps(_mm512_load_si512((const __m512i *)(sums[1] + 16 * r)));
-            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, scale), lo, acc[r]);
-            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d_hi, scale), hi, acc[r]);
-            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a->sum), acc[r]);
-        }
+        pair_block_fmas(fmt, group, group_bytes, sums[0], sums[1], meta, nblocks, b, rows, acc);
     }
 }
 
@@ -843,17 +840,17 @@ static inline __attribute__((always_inline)) void whole_rows_amx(int fmt, const 
     int32_t sums[2][AMX_ROWS * 16] __attribute__((aligned(64)));
     int64_t b = 0;
     for (; b + 1 < nblocks; b += 2) {
-        BLOCK_SUMS(TILE_C0, TILE_A0, TILE_B0, b, sums[0]);
-        BLOCK_SUMS(TILE_C1, TILE_A1, TILE_B1, b + 1, sums[1]);
+        BLOCK_SUMS(TILE_C0, TILE_A0, TILE_B0, b);
+        BLOCK_SUMS(TILE_C1, TILE_A1, TILE_B1, b + 1);
         _tile_stored(TILE_C0, sums[0], 64);
         _tile_stored(TILE_C1, sums[1], 64);
-        pair_block_fmas(fmt, group, group_bytes, sums[0], meta, nblocks, b, rows, acc);
-        pair_block_fmas(fmt, group, group_bytes, sums[1], meta, nblocks, b + 1, rows, acc);
+        pair_block_fmas(fmt, group, group_bytes, sums[0], NULL, meta, nblocks, b, rows, acc);
+        pair_block_fmas(fmt, group, group_bytes, sums[1], NULL, meta, nblocks, b + 1, rows, acc);
     }
     if (b < nblocks) {
-        BLOCK_SUMS(TILE_C0, TILE_A0, TILE_B0, b, sums[0]);
+        BLOCK_SUMS(TILE_C0, TILE_A0, TILE_B0, b);
         _tile_stored(TILE_C0, sums[0], 64);
-        pair_block_fmas(fmt, group, group_bytes, sums[0], meta, nblocks, b, rows, acc);
+        pair_block_fmas(fmt, group, group_bytes, sums[0], NULL, meta, nblocks, b, rows, acc);
     }
 }
 
@@ -885,9 +882,6 @@ static inline __attribute__((always_inline)) void pair_rows_amx(int fmt, const u
 #endif
 
 #if AMX_TILES
-/* interleaved_product_shared's tiles through AMX: each group pair against each tile of
-   AMX_ROWS 8-bit rows (an odd last group, or a pair whose tiles find no memory, through the
-   VNNI loop). An orphaned `omp for`. */
 /* A tile's rows through the VNNI loop, GEMM_ROWS at a time: a pair (`paired`), or an odd last group. */
 static void rows_without_tiles(int fmt, const uint8_t *group, int64_t group_bytes, int paired, int64_t nblocks,
                                const int8_t *xq, const act_block *meta, int64_t K, int rows, int levels, float *y,
@@ -902,6 +896,9 @@ static void rows_without_tiles(int fmt, const uint8_t *group, int64_t group_byte
     }
 }
 
+/* interleaved_product_shared's tiles through AMX: each group pair against each tile of
+   AMX_ROWS 8-bit rows (an odd last group, or a pair whose tiles find no memory, through the
+   VNNI loop). An orphaned `omp for`. */
 static void amx_product_shared(int fmt, const uint8_t *w, int64_t N, int64_t K, const int8_t *xq,
                                const act_block *meta, int64_t M, int levels, float *y, int accumulate) {
     const int64_t nblocks = K / QK, groups = N / GROUP_ROWS, group_bytes = GROUP_ROWS * nblocks * block_bytes(fmt);

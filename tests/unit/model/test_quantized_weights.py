@@ -6,6 +6,7 @@ tokens through the engine."""
 from __future__ import annotations
 
 import copy
+import functools
 import platform
 
 import gguf
@@ -219,14 +220,20 @@ def test_portable_build_computes_what_the_native_one_does(tmp_path, fmt):
         assert _relative_error(got, native.interleaved_matmul(packed.fmt, interleaved, 48, 256, x, levels)) < 1e-5
 
 
-def _has_vnni() -> bool:
+@functools.cache
+def _gcc_macros() -> str:
+    """The macros gcc defines for this CPU (-march=native); empty without gcc."""
     import shutil
     import subprocess
 
     if shutil.which("gcc") is None:
-        return False
-    macros = subprocess.run(["gcc", "-march=native", "-dM", "-E", "-"], input="", capture_output=True, text=True,
-                            timeout=60).stdout
+        return ""
+    return subprocess.run(["gcc", "-march=native", "-dM", "-E", "-"], input="", capture_output=True, text=True,
+                          timeout=60).stdout
+
+
+def _has_vnni() -> bool:
+    macros = _gcc_macros()
     return "__AVXVNNI__" in macros or ("__AVX512VNNI__" in macros and "__AVX512VL__" in macros)
 
 
@@ -267,16 +274,6 @@ def _native_build_without(tmp_path_factory, *flags: str) -> QuantKernels:
     return _VARIANTS[flags]
 
 
-def _gcc_macros() -> str:
-    import shutil
-    import subprocess
-
-    if shutil.which("gcc") is None:
-        return ""
-    return subprocess.run(["gcc", "-march=native", "-dM", "-E", "-"], input="", capture_output=True, text=True,
-                          timeout=60).stdout
-
-
 @pytest.mark.skipif(platform.machine() != "x86_64" or "__AMX_INT8__" not in _gcc_macros()
                     or "__AVX512VNNI__" not in _gcc_macros(), reason="a CPU with AMX int8 tiles")
 @pytest.mark.parametrize("fmt", FORMATS + K_QUANTS, ids=lambda f: f.name)
@@ -284,8 +281,12 @@ def test_amx_products_equal_the_vnni_ones_bit_for_bit(tmp_path_factory, fmt):
     """The native build's AMX tiles (16 rows x 32 columns x 16 features a multiply, from 8
     8-bit rows on) against the same source built without AMX: the same integer sums and
     FMAs, so the very same floats, on both sides of the threshold, full tiles and a short
-    last one, both levels, an odd last group, and the fused path's prologue and residual add."""
+    last one, both levels, an odd last group, and the fused path's norm prologue and
+    residual add."""
+    from workers.quant.native_kernels import PROLOGUE_RMS_NORM
+
     vnni, native = _native_build_without(tmp_path_factory, "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"), kernels()
+    norm = torch.rand(256, generator=torch.Generator().manual_seed(0)) + 0.5
     for features in (48, 56):
         packed, _ = _packed_k_quant(fmt, features, 256) if fmt in K_QUANTS else _packed(fmt, features, 256)
         interleaved = interleave_rows(packed.blocks, packed.fmt)
@@ -294,6 +295,10 @@ def test_amx_products_equal_the_vnni_ones_bit_for_bit(tmp_path_factory, fmt):
             for levels in (1, 2):
                 assert torch.equal(vnni.interleaved_matmul(packed.fmt, interleaved, features, 256, x, levels),
                                    native.interleaved_matmul(packed.fmt, interleaved, features, 256, x, levels))
+            residual = torch.randn(rows, features, generator=torch.Generator().manual_seed(100 + rows))
+            fused = [k.fused_interleaved_matmul(packed.fmt, interleaved, 256, x, residual.clone(), 2, PROLOGUE_RMS_NORM,
+                                                norm, 1e-5, accumulate=True) for k in (vnni, native)]
+            assert torch.equal(*fused)
 
 
 def test_portable_build_widens_every_e4m3_code_as_torch_does(tmp_path):
