@@ -395,8 +395,9 @@ class ModelConfig(_Strict):
     deployment: WorkerDeploymentConfig = Field(
         WorkerDeploymentConfig(), description="Ray Serve options of the model's worker deployment")
     cache_dir: str | None = Field(
-        None, description="where GGUF models converted to safetensors are kept; default: $CHATSERVE_CACHE, else "
-        "~/.cache/chatserve")
+        None, description="where GGUF models converted to safetensors (and GPTQ/AWQ/FP8 checkpoints dequantized) "
+        "are kept, one copy a source file: a changed file's new copy replaces the old one; default: "
+        "$CHATSERVE_CACHE, else ~/.cache/chatserve")
     max_image_pixels: int = Field(
         4096 * 4096, ge=1, description="vision models: a larger image (width x height, read from its header) is a 400"
     )

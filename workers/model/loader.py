@@ -36,7 +36,7 @@ from workers.model.cpu_linear import (
 from workers.model.fused_projections import fuse_sibling_projections
 from workers.model.gguf_packing import keep_gguf_weights_packed
 from workers.model.hub_source import HubId, resolve_hub_gguf, resolve_hub_model
-from workers.model.model_cache import converted_once
+from workers.model.model_cache import converted_once, source_identity
 from workers.model.model_kind import ENCODER_MODEL_TYPES
 from workers.model.packed_swap import ShardCut, whole
 from workers.model.quantized_checkpoint import (
@@ -113,9 +113,8 @@ def prepare_model_dir(source: str, cache_dir: Path | None = None) -> Path:
         return path if method is None else dequantized_model_dir(path, method, cache_dir or default_cache_dir())
     if not gguf.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf}")
-    stat = gguf.stat()
-    target = (cache_dir or default_cache_dir()) / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
-    return converted_once(target, lambda directory: _convert_gguf(gguf, directory), str(gguf))
+    return converted_once(cache_dir or default_cache_dir(), gguf.stem, source_identity([gguf.stat()]), gguf,
+                          lambda directory: _convert_gguf(gguf, directory), str(gguf))
 
 
 def checkpoint_dir(source: str) -> Path:

@@ -34,7 +34,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from workers.model.model_cache import converted_once
+from workers.model.model_cache import converted_once, source_identity
 
 SUPPORTED_METHODS = ("gptq", "awq", "fp8")
 GPTQ_FORMATS = ("gptq", "gptq_v2")
@@ -304,12 +304,11 @@ def dequantize_checkpoint(model_dir: Path, target: Path, max_shard_bytes: int = 
 def dequantized_model_dir(model_dir: Path, method: str, cache_dir: Path) -> Path:
     """The float copy of the quantized `model_dir` under `cache_dir`, converted on the first
     call only; keyed by the weights' total size and newest mtime, so a changed checkpoint
-    converts anew (workers/model/model_cache.py: one conversion, under a file lock)."""
+    converts anew and its older copy goes (workers/model/model_cache.py: one conversion,
+    under a file lock)."""
     files = weight_files(model_dir)
     if not files:
         raise FileNotFoundError(f"model source {str(model_dir)!r} ({method}): no safetensors weights")
-    stats = [file.stat() for file in files]
-    identity = f"{sum(s.st_size for s in stats)}-{int(max(s.st_mtime for s in stats))}"
-    target = cache_dir / f"{model_dir.name}-{method}-{identity}"
-    return converted_once(target, lambda directory: dequantize_checkpoint(model_dir, directory),
+    return converted_once(cache_dir, f"{model_dir.name}-{method}", source_identity([file.stat() for file in files]),
+                          model_dir, lambda directory: dequantize_checkpoint(model_dir, directory),
                           f"the {method} checkpoint {model_dir}")

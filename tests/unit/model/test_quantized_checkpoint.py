@@ -374,6 +374,7 @@ def test_the_conversion_happens_once(float_dir, tmp_path, monkeypatch):
     os.utime(weights, (stat.st_atime, stat.st_mtime + 10))  # a changed checkpoint converts anew
     second = prepare_model_dir(str(model_dir), cache)
     assert second != first and len(calls) == 2
+    assert second.is_dir() and not first.exists()  # the older version's copy does not pile up
 
 
 def test_a_large_checkpoint_is_written_as_shards_in_the_configs_dtype(float_dir, tmp_path):
