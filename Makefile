@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-gpu fuzz bench bench-cpu bench-llamacpp bench-transport bench-prefix bench-prefix-routing bench-fairness bench-pd bench-spec bench-embeddings bench-encoder bench-lora bench-ttft-overhead bench-gpu soak soak-chaos faults clean
+.PHONY: install serve test test-gpu fuzz bench bench-cpu bench-llamacpp bench-transport bench-prefix bench-prefix-routing bench-fairness bench-pd bench-spec bench-spec-llamacpp bench-embeddings bench-encoder bench-lora bench-ttft-overhead bench-gpu soak soak-chaos faults clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -95,6 +95,11 @@ bench-pd: $(STAMP)
 # Speculative decoding (ngram) off and on, in the engine: an edit load and the chat load at c=1 and 16.
 bench-spec: $(STAMP)
 	$(BIN)/python -m tools.bench.spec --concurrency 1 16 --rounds 2
+
+# Speculation through the servers at c=1: chatserve's Serve path (ngram off / on) against
+# llama-server's own n-gram speculation types on the same GGUF.
+bench-spec-llamacpp: $(STAMP)
+	$(BIN)/python -m tools.bench.spec_peers --num-requests 8 --max-tokens 128
 
 # Embeddings: inputs/s at batch 1 and 64 in the engine (the default model and pooler).
 bench-embeddings: $(STAMP)

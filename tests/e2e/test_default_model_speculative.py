@@ -1,7 +1,7 @@
 """Speculative decoding on the default model as served (its Q4_1 blocks, int8x2, the
 served config's engine limits): greedy tokens equal those without speculation on the
-edit prompt of `make bench-spec` and an e2e chat prompt, with proposals taken, for ngram
-and for a draft model (the default model's first 28 of 30 layers, the one model with its
+edit prompt of `make bench-spec` and an e2e chat prompt, with proposals taken, for ngram,
+for suffix (each prompt twice: the second replays the first answer) and for a draft model (the default model's first 28 of 30 layers, the one model with its
 tokenizer at hand: it agrees on about a quarter of its proposals, so both taking and
 refusing are exercised)."""
 
@@ -48,8 +48,9 @@ def test_greedy_tokens_equal_without_speculation(served):
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     outputs = {}
     draft = SpeculativeConfig(method="draft", num_speculative_tokens=3, draft_source="first-28-layers")
+    suffix = SpeculativeConfig(method="suffix", num_speculative_tokens=8)
     for name, spec in (("plain", None), ("ngram", SpeculativeConfig(method="ngram", num_speculative_tokens=4)),
-                       ("draft", draft)):
+                       ("draft", draft), ("suffix", suffix)):
         engine = _engine(served, spec, first_layers(served[1].model, 28) if name == "draft" else None)
         if name == "draft":
             # proposing at any rate of acceptance: the test wants refusals too
@@ -58,7 +59,9 @@ def test_greedy_tokens_equal_without_speculation(served):
             # the prior price, not this machine's measured one (which may all but stop proposals)
             engine.proposer.step_cost = StepCost(learn=False)
         outputs[name] = []
-        for prompt in prompts:  # one at a time: speculation is off from disable_by_batch_size on
+        # suffix: each prompt twice, the second time with the first answer to propose from
+        for prompt in [p for p in prompts for _ in range(2 if name == "suffix" else 1)]:
+            # one at a time: speculation is off from disable_by_batch_size on
             request = engine.add_request(prompt, params)
             tokens = []
             while engine.has_work():
@@ -69,3 +72,4 @@ def test_greedy_tokens_equal_without_speculation(served):
             assert counts.accepted_tokens > 10 and (name == "ngram" or counts.draft_tokens > counts.accepted_tokens + 10)
     assert outputs["ngram"] == outputs["plain"]
     assert outputs["draft"] == outputs["plain"]
+    assert outputs["suffix"] == [tokens for tokens in outputs["plain"] for _ in range(2)]

@@ -108,14 +108,14 @@ async def _stream_request(client: httpx.AsyncClient, url: str, body: dict, start
 
 
 async def run_level(url: str, model: str, concurrency: int, num_requests: int, max_tokens: int,
-                    prompt: str, ignore_eos: bool, headers: dict[str, str]) -> LevelReport:
+                    prompt: str, ignore_eos: bool, headers: dict[str, str], temperature: float = 0.8) -> LevelReport:
     body = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
-        "temperature": 0.8,
+        "temperature": temperature,
     }
     if ignore_eos:
         body["ignore_eos"] = True
@@ -162,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-requests", type=int, default=None, help="per level; default 2 x concurrency, >= 8")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     parser.add_argument("--no-ignore-eos", action="store_true", help="for servers that reject ignore_eos")
     parser.add_argument("--json", default=None, help="also write the reports here")
     parser.add_argument("--api-key", default=os.environ.get("CHATSERVE_API_KEY"),
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     for concurrency in args.concurrency:
         n = args.num_requests or max(8, 2 * concurrency)
         report = asyncio.run(run_level(args.url, model, concurrency, n, args.max_tokens, args.prompt,
-                                       not args.no_ignore_eos, headers))
+                                       not args.no_ignore_eos, headers, args.temperature))
         print(report.line(), flush=True)
         reports.append(report)
     if args.json:

@@ -186,7 +186,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--method", default="ngram", choices=["ngram", "draft"])
+    parser.add_argument("--method", default="ngram", choices=["ngram", "suffix", "draft"],
+                        help="suffix: ngram plus the engine's earlier answers (the loads repeat one request, so "
+                        "from the second request on it replays the first's answer)")
     parser.add_argument("--draft-source", default=None, help="method draft: the draft model's source")
     parser.add_argument("--draft-layers", type=int, default=8,
                         help="method draft without --draft-source: the default model's first layers as the draft")

@@ -213,11 +213,16 @@ class SpeculativeConfig(_Strict):
     all (workers/speculative/). Greedy output is the same tokens as without; sampled
     output keeps its distribution (and a seeded request its tokens)."""
 
-    method: Literal["ngram", "draft"] = Field(
+    method: Literal["ngram", "suffix", "draft"] = Field(
         description="ngram: proposals are the tokens that followed the latest earlier occurrence of the sequence's "
         "last few tokens in its own prompt and output (no second model: pays where answers repeat their input, "
-        "as edits, code and extraction do); draft: a smaller model with the same tokenizer (draft_source) "
-        "proposes its own greedy continuation, run by the same engine with its own KV cache")
+        "as edits, code and extraction do); suffix: ngram's lookup plus the model's earlier answers (the last "
+        "suffix_decoding_max_cached_requests finished ones), taking whichever source matched more of the "
+        "sequence's end: pays where answers repeat earlier answers (agent tool loops, retried or re-run "
+        "requests). Its proposals never change an output, but a request's speed can tell whether an earlier "
+        "answer held the same text: use it where the callers trust each other; draft: a smaller model with the "
+        "same tokenizer (draft_source) proposes its own greedy continuation, run by the same engine with its own "
+        "KV cache")
     draft_source: str | None = Field(
         None, description="method draft: the draft model, in any form `source` takes (loaded with this model's "
         "device, dtype and quantization; its tokenizer must be this model's). Its KV pool holds as many tokens "
@@ -225,8 +230,13 @@ class SpeculativeConfig(_Strict):
     num_speculative_tokens: int = Field(
         ge=1, le=16, description="proposed tokens a sequence feeds at most per step; each sequence proposes as many "
         "as pay by its own recent rate of accepted proposals, and pauses while not even one does")
-    prompt_lookup_min: int = Field(2, ge=1, le=32, description="ngram: the shortest suffix looked up")
-    prompt_lookup_max: int = Field(4, ge=1, le=32, description="ngram: the longest suffix looked up (longest first)")
+    prompt_lookup_min: int = Field(2, ge=1, le=32, description="ngram and suffix: the shortest suffix looked up")
+    prompt_lookup_max: int = Field(4, ge=1, le=32, description="ngram and suffix: the longest suffix looked up "
+                                   "(longest first)")
+    suffix_decoding_max_cached_requests: int = Field(
+        256, ge=1, le=100_000, description="method suffix: finished answers kept per replica to propose from, the "
+        "oldest leaving first; cancelled requests' partial answers are not kept. vLLM's default is 10,000; here "
+        "each kept token costs ~0.5 KB of table entries in the worker's memory (256 answers of 500 tokens: ~64 MB)")
     disable_by_batch_size: int | None = Field(
         3, ge=1, description="no proposals while this many sequences or more are running (default: proposals "
         "while one or two run): on a CPU the products are compute-bound from a few rows, so a wider step costs "
@@ -237,8 +247,12 @@ class SpeculativeConfig(_Strict):
     def _known_method(self) -> "SpeculativeConfig":
         if self.method == "draft" and not self.draft_source:
             raise ValueError("method 'draft' needs draft_source (the draft model)")
-        if self.method == "ngram" and self.draft_source is not None:
-            raise ValueError("draft_source is for method 'draft'; method 'ngram' proposes without a second model")
+        if self.method != "draft" and self.draft_source is not None:
+            raise ValueError(f"draft_source is for method 'draft'; method {self.method!r} proposes without a second "
+                             "model")
+        kept = type(self).model_fields["suffix_decoding_max_cached_requests"].default
+        if self.method != "suffix" and self.suffix_decoding_max_cached_requests != kept:  # (a dump carries the default)
+            raise ValueError("suffix_decoding_max_cached_requests is for method 'suffix'")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) is above prompt_lookup_max "
                              f"({self.prompt_lookup_max})")

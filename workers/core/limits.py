@@ -23,7 +23,8 @@ class SpeculativeLimits:
     lookup_min: int  # ngram: the shortest suffix looked up
     lookup_max: int  # ngram: the longest
     disable_by_batch_size: int | None  # no proposals while this many sequences or more run (None: any batch)
-    method: str = "ngram"  # or "draft": a draft model proposes (the engine is given it)
+    method: str = "ngram"  # or "draft": a draft model proposes (the engine is given it); "suffix": ngram + earlier answers
+    history_requests: int = 0  # method suffix: finished answers kept to propose from
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,8 @@ def _speculative_limits(config: ModelConfig) -> SpeculativeLimits | None:
     if spec is None:
         return None
     return SpeculativeLimits(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max,
-                             spec.disable_by_batch_size, spec.method)
+                             spec.disable_by_batch_size, spec.method,
+                             spec.suffix_decoding_max_cached_requests if spec.method == "suffix" else 0)
 
 
 class CapacityError(WorkerError, ValueError):

@@ -28,6 +28,7 @@ from workers.sampling.guided import GuidedDecoder
 from workers.speculative.draft_proposer import DraftProposer
 from workers.speculative.ngram_proposer import NgramProposer
 from workers.speculative.proposals import ROW_COST, Proposer
+from workers.speculative.response_history import ResponseHistory
 
 logger = logging.getLogger(__name__)
 
@@ -121,12 +122,14 @@ def guided_decoder(tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) ->
 
 def proposer(limits: EngineLimits, model: torch.nn.Module, draft: torch.nn.Module | None, num_blocks: int,
              device: torch.device) -> Proposer | None:
-    """Speculative decoding's proposer: none, the ngram lookup, or the `draft` model over a
+    """Speculative decoding's proposer: none, the ngram lookup (suffix: with earlier answers), or the `draft` model over a
     KV pool of its own with `num_blocks` blocks (the target's count: a draft never runs out
     before its target)."""
     spec = limits.speculative
     if spec is None:
         return None
+    if spec.method == "suffix":
+        return NgramProposer(spec, ResponseHistory(spec.lookup_min, spec.lookup_max, spec.history_requests))
     if spec.method != "draft":
         return NgramProposer(spec)
     if draft is None:

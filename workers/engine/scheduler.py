@@ -95,6 +95,8 @@ class Scheduler:
         seq.finish_reason = reason
         self.blocks.free(seq)
         self.lora.release(seq)
+        if self.proposer is not None:
+            self.proposer.finished(seq)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()

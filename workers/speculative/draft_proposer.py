@@ -112,6 +112,9 @@ class DraftProposer:
         if shadow is not None:
             shadow.pace.record(proposed, accepted)
 
+    def finished(self, seq: Sequence) -> None:
+        """Nothing to keep: a finished sequence's shadow goes at the next step's prepare."""
+
     @torch.inference_mode()
     def _draft(self, shadows: list[_Shadow]) -> None:
         """One draft forward a proposed token: the first feeds each shadow's catch-up (the

@@ -1,5 +1,6 @@
 """Prompt-lookup (ngram) proposals: the tokens that followed the latest earlier occurrence
-of a sequence's last few tokens, found in its own prompt and output (no second model).
+of a sequence's last few tokens, found in its own prompt and output (no second model);
+method suffix also looks in the model's earlier answers (response_history.py).
 
 Each sequence keeps a table from its n-grams to the position after their latest
 occurrence, grown by the tokens appended since the last lookup, so a lookup costs a few
@@ -12,7 +13,7 @@ import weakref
 from dataclasses import dataclass, field
 
 from workers.core.limits import SpeculativeLimits
-from workers.core.sequence import Sequence
+from workers.core.sequence import FinishReason, Sequence
 from workers.speculative.proposals import (
     ROW_COST,
     ProposalPace,
@@ -20,6 +21,12 @@ from workers.speculative.proposals import (
     StepCost,
     can_speculate,
 )
+from workers.speculative.response_history import ResponseHistory, matched_length
+
+
+def adapter_key(seq: Sequence) -> str | None:
+    """Whose answers a sequence's are: its LoRA adapter's, or the base model's (None)."""
+    return seq.lora.key if seq.lora is not None else None
 
 
 class NgramIndex:
@@ -33,6 +40,12 @@ class NgramIndex:
 
     def lookup(self, tokens: list[int], count: int) -> list[int]:
         """Up to `count` tokens that followed the longest suffix of `tokens` seen earlier."""
+        after = self.find(tokens)
+        return _copy_on(tokens, after, count) if after is not None else []
+
+    def find(self, tokens: list[int]) -> int | None:
+        """The position after the latest earlier occurrence of the longest suffix of `tokens`
+        (lengths `longest` down to `shortest`), or None."""
         if len(tokens) < self._indexed:  # the list was cut back (a step undone): start again
             self._next.clear()
             self._indexed = 0
@@ -41,8 +54,8 @@ class NgramIndex:
         for n in range(min(self.longest, length - 1), self.shortest - 1, -1):
             after = self._next.get(tuple(tokens[length - n:]))
             if after is not None:
-                return _copy_on(tokens, after, count)
-        return []
+                return after
+        return None
 
     def _extend(self, tokens: list[int]) -> None:
         # An n-gram ending at `end` - 1 is followed by tokens[end]; the sequence's last token
@@ -73,7 +86,11 @@ class _Lookup:
 
 @dataclass
 class NgramProposer:
+    """Prompt lookup; with a `history` (method suffix), also the model's earlier answers:
+    of the two proposals, the one whose source matched more of the sequence's end."""
+
     limits: SpeculativeLimits
+    history: ResponseHistory | None = None
     counts: SpeculationCounts = field(default_factory=SpeculationCounts)
     step_cost: StepCost = field(default_factory=StepCost)
     _lookups: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
@@ -93,7 +110,22 @@ class NgramProposer:
                                                   ProposalPace(self.limits.num_tokens))
         lookup.pace.cost = self._row_cost
         count = lookup.pace.next_length(room)
-        return tuple(lookup.index.lookup(seq.token_ids, count)) if count else ()
+        if not count:
+            return ()
+        tokens = seq.token_ids
+        after = lookup.index.find(tokens)
+        own = _copy_on(tokens, after, count) if after is not None else []
+        if self.history is None:
+            return tuple(own)
+        earlier = self.history.lookup(tokens, count, adapter_key(seq))
+        if earlier is not None and (after is None or earlier.length > matched_length(tokens, tokens, after)):
+            return tuple(earlier.tokens)
+        return tuple(own)
+
+    def finished(self, seq: Sequence) -> None:
+        """A sequence ended: a whole answer (not a cancelled one) joins the history."""
+        if self.history is not None and seq.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+            self.history.add(seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids, adapter_key(seq))
 
     def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """A verification's outcome: `accepted` of the `proposed` tokens were the model's own."""

@@ -54,6 +54,9 @@ class Proposer(Protocol):
     def record(self, seq: Sequence, proposed: int, accepted: int) -> None:
         """A verification's outcome: `accepted` of the `proposed` tokens were the model's own."""
 
+    def finished(self, seq: Sequence) -> None:
+        """`seq` ended (its finish_reason says how); its output is final."""
+
 
 FIT_DECAY = 0.97  # the weight of a step timing after each newer one (~30 steps' memory)
 MIN_ROW_SPREAD = 0.05  # the variance of rows a step that a line's slope needs

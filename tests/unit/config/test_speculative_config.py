@@ -19,6 +19,17 @@ def test_ngram_sets_the_engine_limits():
     assert ModelConfig.model_validate(model.model_dump()) == model  # the ingress re-reads the dumped config
 
 
+def test_suffix_keeps_earlier_answers_and_ngram_keeps_none():
+    spec = {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_cached_requests": 32}
+    limits = engine_limits(ModelConfig(id="m", source="/models/m", speculative=spec), 2048).speculative
+    assert (limits.method, limits.history_requests, limits.lookup_min, limits.lookup_max) == ("suffix", 32, 2, 4)
+    default = engine_limits(ModelConfig(id="m", source="/models/m", speculative={**spec, "method": "suffix",
+                                        "suffix_decoding_max_cached_requests": 256}), 2048).speculative
+    assert default.history_requests == 256
+    ngram = {"method": "ngram", "num_speculative_tokens": 4}
+    assert engine_limits(ModelConfig(id="m", source="/models/m", speculative=ngram), 2048).speculative.history_requests == 0
+
+
 def test_draft_sets_the_method_and_refuses_a_split_model():
     spec = {"method": "draft", "num_speculative_tokens": 4, "draft_source": "/models/small"}
     limits = engine_limits(ModelConfig(id="m", source="/models/m", speculative=spec), 2048)
@@ -42,6 +53,12 @@ def _app(model_fields: dict) -> dict:
     ({"method": "draft", "num_speculative_tokens": 3}, r"models\.0\.speculative.*'draft' needs draft_source"),
     ({"method": "ngram", "num_speculative_tokens": 3, "draft_source": "/models/d"},
      r"models\.0\.speculative.*draft_source is for method 'draft'"),
+    ({"method": "suffix", "num_speculative_tokens": 3, "draft_source": "/models/d"},
+     r"models\.0\.speculative.*draft_source is for method 'draft'; method 'suffix'"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "suffix_decoding_max_cached_requests": 8},
+     r"models\.0\.speculative.*suffix_decoding_max_cached_requests is for method 'suffix'"),
+    ({"method": "suffix", "num_speculative_tokens": 3, "suffix_decoding_max_cached_requests": 0},
+     r"models\.0\.speculative\.suffix_decoding_max_cached_requests"),
     ({"method": "eagle", "num_speculative_tokens": 3}, r"models\.0\.speculative\.method"),
     ({"method": "ngram"}, r"models\.0\.speculative\.num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 0}, r"models\.0\.speculative\.num_speculative_tokens"),

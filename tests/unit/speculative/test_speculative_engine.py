@@ -4,6 +4,8 @@ accepts on repetitive text; its limits (max_tokens, the window, stops) hold."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tests.support.engines import (
@@ -49,6 +51,25 @@ def test_greedy_tokens_equal_without_speculation(paged_model, prompts, limits):
     assert spec_reasons == reasons
     counts = engine.proposer.counts
     assert counts.accepted_tokens > 0 and counts.draft_tokens > counts.accepted_tokens
+
+
+def test_suffix_proposes_from_earlier_answers_and_keeps_greedy_tokens(paged_model, prompts):
+    """A second wave of the same prompts: the random model's answers rarely repeat their
+    prompt, but they repeat the first wave's answers, which method suffix proposes from."""
+    plain, reasons, _ = _outputs(paged_model, prompts, greedy(24), None)
+    suffix = SpeculativeLimits(num_tokens=4, lookup_min=1, lookup_max=3, disable_by_batch_size=None,
+                               method="suffix", history_requests=64)
+    engine = make_engine(paged_model, num_blocks=1200, speculative=suffix)
+    for wave in range(2):
+        before = dataclasses.replace(engine.proposer.counts)
+        ids = [engine.add_request(p, greedy(24)) for p in prompts]
+        events = run_to_completion(engine)
+        assert [[e.token_id for e in events[i]] for i in ids] == plain
+        assert [[e.finish_reason for e in events[i]] for i in ids] == reasons
+        taken = engine.proposer.counts.accepted_tokens - before.accepted_tokens
+    assert len(engine.proposer.history) == 2 * len(prompts)
+    assert taken > len(prompts) * 24 // 2  # the second wave replays the first's answers
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
 class ScriptedProposer(NgramProposer):
