@@ -217,7 +217,8 @@ class SpeculativeConfig(_Strict):
         description="ngram: proposals are the tokens that followed the latest earlier occurrence of the sequence's "
         "last few tokens in its own prompt and output (no second model: pays where answers repeat their input, "
         "as edits, code and extraction do); suffix: ngram's lookup plus the model's earlier answers (the last "
-        "suffix_decoding_max_cached_requests finished ones), taking whichever source matched more of the "
+        "suffix_decoding_max_cached_requests finished ones, matched on the last prompt_lookup_max tokens), taking "
+        "whichever source matched more of the "
         "sequence's end: pays where answers repeat earlier answers (agent tool loops, retried or re-run "
         "requests). Its proposals never change an output, but a request's speed can tell whether an earlier "
         "answer held the same text: use it where the callers trust each other; draft: a smaller model with the "
@@ -236,7 +237,7 @@ class SpeculativeConfig(_Strict):
     suffix_decoding_max_cached_requests: int = Field(
         256, ge=1, le=100_000, description="method suffix: finished answers kept per replica to propose from, the "
         "oldest leaving first; cancelled requests' partial answers are not kept. vLLM's default is 10,000; here "
-        "each kept token costs ~0.5 KB of table entries in the worker's memory (256 answers of 500 tokens: ~64 MB)")
+        "each kept token costs ~0.25 KB in the worker's memory (256 answers of 500 tokens: ~28 MB)")
     disable_by_batch_size: int | None = Field(
         3, ge=1, description="no proposals while this many sequences or more are running (default: proposals "
         "while one or two run): on a CPU the products are compute-bound from a few rows, so a wider step costs "

@@ -129,7 +129,7 @@ def proposer(limits: EngineLimits, model: torch.nn.Module, draft: torch.nn.Modul
     if spec is None:
         return None
     if spec.method == "suffix":
-        return NgramProposer(spec, ResponseHistory(spec.lookup_min, spec.lookup_max, spec.history_requests))
+        return NgramProposer(spec, ResponseHistory(spec.lookup_max, spec.history_requests))
     if spec.method != "draft":
         return NgramProposer(spec)
     if draft is None:

@@ -4,9 +4,9 @@ their n-grams to the position after their latest occurrence.
 
 Why: an agent's tool loop, a retried request and a re-run edit make answers that repeat
 earlier answers rather than their own prompt; prompt lookup cannot see those. One table
-for all stored answers keeps a lookup a few dict probes; an answer leaving the history
-(oldest first) takes out the entries that still point into it, so the table stays the
-size of what is stored."""
+(per adapter) for all stored answers keeps a lookup one dict probe; an answer leaving the
+history (oldest first) takes out the entries that still point into it, so the table stays
+the size of what is stored (~0.25 KB a token)."""
 
 from __future__ import annotations
 
@@ -34,13 +34,15 @@ def matched_length(context: list[int], source: list[int], after: int) -> int:
 
 class ResponseHistory:
     """The last `max_requests` finished answers (per LoRA adapter: another adapter's answers
-    are another model's), each stored with its prompt's last `longest` tokens before it."""
+    are another model's), each stored with its prompt's last `n` tokens before it, and
+    matched on a context's last `n` tokens (one n-gram length: a finished request's answer
+    is indexed on the engine thread, a few us a token)."""
 
-    def __init__(self, shortest: int, longest: int, max_requests: int) -> None:
-        self.shortest, self.longest, self.max_requests = shortest, longest, max_requests
+    def __init__(self, n: int, max_requests: int) -> None:
+        self.n, self.max_requests = n, max_requests
         self._answers: dict[int, tuple[str | None, list[int]]] = {}
         self._order: deque[int] = deque()
-        self._next: dict[tuple, tuple[int, int]] = {}  # (adapter, n-gram) -> (answer, position after)
+        self._tables: dict[str | None, dict[tuple[int, ...], tuple[int, int]]] = {}  # n-gram -> (answer, after)
         self._serial = 0
 
     def __len__(self) -> int:
@@ -48,39 +50,40 @@ class ResponseHistory:
 
     @property
     def entries(self) -> int:
-        return len(self._next)
+        return sum(len(table) for table in self._tables.values())
 
     def add(self, prompt: list[int], output: list[int], adapter: str | None = None) -> None:
         """Store a finished request's `output` (after its `prompt`'s tail)."""
         if not output:
             return
-        tokens = prompt[-self.longest:] + output
+        tokens = prompt[-self.n:] + output
         serial, self._serial = self._serial, self._serial + 1
         self._answers[serial] = (adapter, tokens)
         self._order.append(serial)
-        for key, end in self._keys(adapter, tokens):
-            self._next[key] = (serial, end)
+        table, n = self._tables.setdefault(adapter, {}), self.n
+        for end in range(n, len(tokens)):
+            table[tuple(tokens[end - n : end])] = (serial, end)
         while len(self._order) > self.max_requests:
             self._remove(self._order.popleft())
 
-    def _keys(self, adapter: str | None, tokens: list[int]):
-        """Each n-gram of `tokens` that has a token after it, with that token's position."""
-        for end in range(self.shortest, len(tokens)):
-            for n in range(self.shortest, min(self.longest, end) + 1):
-                yield (adapter, *tokens[end - n : end]), end
-
     def _remove(self, serial: int) -> None:
         adapter, tokens = self._answers.pop(serial)
-        for key, _ in self._keys(adapter, tokens):
-            if self._next.get(key, (None,))[0] == serial:
-                del self._next[key]
+        table, n = self._tables[adapter], self.n
+        for end in range(n, len(tokens)):
+            key = tuple(tokens[end - n : end])
+            if table.get(key, (None,))[0] == serial:
+                del table[key]
+        if not table:
+            del self._tables[adapter]
 
     def lookup(self, context: list[int], count: int, adapter: str | None = None) -> Match | None:
-        """Up to `count` tokens that followed the longest suffix of `context` in a stored answer."""
-        for n in range(min(self.longest, len(context)), self.shortest - 1, -1):
-            key = (adapter, *context[len(context) - n :])
-            found = self._next.get(key)
-            if found is not None:
-                answer, after = self._answers[found[0]][1], found[1]
-                return Match(answer[after : after + count], matched_length(context, answer, after))
-        return None
+        """Up to `count` tokens that followed `context`'s last `n` tokens in the latest stored
+        answer holding them."""
+        table = self._tables.get(adapter)
+        if table is None or len(context) < self.n:
+            return None
+        found = table.get(tuple(context[len(context) - self.n :]))
+        if found is None:
+            return None
+        answer, after = self._answers[found[0]][1], found[1]
+        return Match(answer[after : after + count], matched_length(context, answer, after))

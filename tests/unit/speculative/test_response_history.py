@@ -19,21 +19,21 @@ LIMITS = SpeculativeLimits(num_tokens=4, lookup_min=2, lookup_max=3, disable_by_
 
 
 def test_an_earlier_answer_continues_a_context_that_ends_as_it_did():
-    history = ResponseHistory(2, 3, max_requests=4)
+    history = ResponseHistory(2, max_requests=4)
     history.add(prompt=[90, 91, 92, 93], output=[10, 11, 12, 13, 14, 15])
-    # Stored as the prompt's last 3 tokens, then the answer: the answer's start is found
-    # from a new prompt ending the same way.
+    # Stored as the prompt's last 2 tokens, then the answer: the answer's start is found
+    # from a new prompt ending the same way (and the match counted back over all of it).
     start = history.lookup([7, 91, 92, 93], 4)
-    assert start.tokens == [10, 11, 12, 13] and start.length == 3
-    later = history.lookup([5, 5, 11, 12], 3)
-    assert later.tokens == [13, 14, 15] and later.length == 2
+    assert start.tokens == [10, 11, 12, 13] and start.length == 2
+    later = history.lookup([5, 92, 93, 10, 11, 12], 3)
+    assert later.tokens == [13, 14, 15] and later.length == 5
     assert history.lookup([5, 5, 11, 12], 9).tokens == [13, 14, 15]  # up to the answer's end
     assert history.lookup([1, 2, 3], 4) is None
-    assert history.lookup([15], 4) is None  # one token is below the shortest suffix
+    assert history.lookup([12], 4) is None  # shorter than the n-gram looked up
 
 
 def test_the_latest_answer_wins_and_adapters_keep_their_own():
-    history = ResponseHistory(2, 3, max_requests=4)
+    history = ResponseHistory(2, max_requests=4)
     history.add([1, 2], [50, 51, 60])
     history.add([1, 2], [50, 51, 70])
     assert history.lookup([50, 51], 1).tokens == [70]
@@ -44,7 +44,7 @@ def test_the_latest_answer_wins_and_adapters_keep_their_own():
 
 
 def test_answers_leave_oldest_first_and_take_their_entries_along():
-    history = ResponseHistory(2, 3, max_requests=2)
+    history = ResponseHistory(2, max_requests=2)
     history.add([1], [20, 21, 22, 23])
     entries_of_one = history.entries
     history.add([1], [30, 31, 32, 33])
@@ -75,7 +75,7 @@ def _seq(prompt: list[int], output: list[int], seq_id: int = 0) -> Sequence:
 
 
 def test_the_proposer_takes_the_source_that_matched_more():
-    proposer = NgramProposer(LIMITS, ResponseHistory(2, 3, 2))
+    proposer = NgramProposer(LIMITS, ResponseHistory(3, 2))
     # An earlier request answered [5, 6, 7, 8, 9, 1, 2, 3] to this prompt.
     done = _seq([40, 41, 42], [5, 6, 7, 8, 9, 1, 2, 3])
     done.finish_reason = FinishReason.STOP
@@ -90,7 +90,7 @@ def test_the_proposer_takes_the_source_that_matched_more():
 
 
 def test_only_whole_answers_join_and_plain_ngram_keeps_none():
-    proposer = NgramProposer(LIMITS, ResponseHistory(2, 3, 2))
+    proposer = NgramProposer(LIMITS, ResponseHistory(3, 2))
     cancelled = _seq([40, 41, 42], [5, 6, 7])
     cancelled.finish_reason = FinishReason.ABORT
     proposer.finished(cancelled)
