@@ -52,11 +52,12 @@ def converted_once(cache_dir: Path, name: str, identity: str, source: Path, conv
 def older_copies(cache_dir: Path, name: str, identity: str, source: Path) -> list[Path]:
     """`source`'s copies in `cache_dir` (named `name`) whose identity is not `identity`,
     whole or half-written; a copy that names no source (half-written, or from before
-    copies named theirs) counts as `source`'s."""
+    copies named theirs) counts as `source`'s, and so does one whose source is gone (a
+    deleted virtual environment's package)."""
     pattern, resolved = re.compile(re.escape(name) + r"-(\d+-\d+)(\.tmp)?"), str(source.resolve())
     return [entry for entry in cache_dir.iterdir()
             if entry.is_dir() and (match := pattern.fullmatch(entry.name)) and match.group(1) != identity
-            and copied_from(entry) in (None, resolved)]
+            and ((origin := copied_from(entry)) in (None, resolved) or not Path(origin).exists())]
 
 
 def copied_from(copy: Path) -> str | None:

@@ -40,13 +40,20 @@ def test_a_changed_source_replaces_its_older_copy_and_leaves_other_sources(tmp_p
                                     prefixed.name, f"{prefixed.name}.lock"])
 
 
-def test_a_file_of_the_same_name_elsewhere_keeps_its_own_copy(tmp_path):
+def test_a_file_of_the_same_name_elsewhere_keeps_its_own_copy_while_it_exists(tmp_path):
     cache, calls = tmp_path / "cache", []
-    here = converted_once(cache, "model", "100-1", tmp_path / "venv-a" / "model.gguf", writer(calls), "a")
-    there = converted_once(cache, "model", "100-2", tmp_path / "venv-b" / "model.gguf", writer(calls), "b")
+    a, b = tmp_path / "venv-a" / "model.gguf", tmp_path / "venv-b" / "model.gguf"
+    for source in (a, b):
+        source.parent.mkdir()
+        source.write_bytes(b"gguf")
+    here = converted_once(cache, "model", "100-1", a, writer(calls), "a")
+    there = converted_once(cache, "model", "100-2", b, writer(calls), "b")
     assert here.is_dir() and there.is_dir()
-    assert converted_once(cache, "model", "100-1", tmp_path / "venv-a" / "model.gguf", writer(calls), "a") == here
-    assert len(calls) == 2
+    assert converted_once(cache, "model", "100-1", a, writer(calls), "a") == here
+    assert len(calls) == 2 and there.is_dir()
+    b.unlink()  # venv-b deleted: its copy goes at the next conversion or load of the name
+    converted_once(cache, "model", "100-1", a, writer(calls), "a")
+    assert here.is_dir() and not there.exists()
 
 
 def test_a_copy_whose_lock_another_process_holds_stays(tmp_path):
