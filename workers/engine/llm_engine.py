@@ -367,13 +367,14 @@ class LLMEngine:
         results = self.scheduler.append_tokens(seqs, tokens)
         return token_events(results, logprobs, self._requests)
 
-    def _draw(self, seqs: list[Sequence], row_logits: torch.Tensor,
-              pending: int | list[int] = 0) -> tuple[list[int], dict]:
+    def _draw(self, seqs: list[Sequence], row_logits: torch.Tensor, pending: int | list[int] = 0,
+              drafts: dict[int, tuple[int, ...]] | None = None) -> tuple[list[int], dict]:
         """A token from each row of `row_logits` (row i: `seqs[i]`'s, `pending` tokens past
-        its end), and the log-probabilities of the rows that ask."""
+        its end; `drafts`: a guided verification's first row -> the proposals its later rows
+        follow), and the log-probabilities of the rows that ask."""
         tensors = SamplingTensors.from_sequences(seqs, self.vocab_size, self.device, pending)
         if self.guided is not None:
-            tensors.guided = self.guided.mask([s.guide for s in seqs], self.device)
+            tensors.guided = self.guided.mask([s.guide for s in seqs], self.device, drafts)
         tokens = self.sampler(row_logits, tensors)
         forced = [(row, token) for row, seq in enumerate(seqs) if (token := seq.forced_token()) is not None]
         if forced:  # a thinking budget spent: its end tag, whatever was drawn (the logprob is the model's)
@@ -388,7 +389,8 @@ class LLMEngine:
         while they match (workers/speculative/verification.py)."""
         seqs, rows = fork_choices(seqs, self.scheduler, self._requests, self._ids)
         plan = VerifyRows.of(seqs, [sampling_rows[r] for r in rows], drafted, draft_base)
-        samples, logprobs = self._draw(plan.seqs, logits[plan.logit_rows], plan.pending)
+        drafts = {g.first: g.draft for g in plan.groups if g.draft and g.seq.guide is not None}
+        samples, logprobs = self._draw(plan.seqs, logits[plan.logit_rows], plan.pending, drafts)
         results, result_rows = [], []
         for group in plan.groups:
             seq, first = group.seq, group.first

@@ -57,6 +57,16 @@ class GuideState:
         self.num_tokens += 1
         return False
 
+    def allowed_prefix(self, tokens: tuple[int, ...]) -> tuple[int, ...]:
+        """The leading `tokens` the grammar takes from here, up to any EOS (speculative
+        proposals: a guided sequence feeds only tokens it could emit; an EOS is left to
+        the rows' own sampling, as it ends the output rather than being consumed)."""
+        allowed = tokens[: self.matcher.validate_tokens(list(tokens))] if tokens else ()
+        for index, token in enumerate(allowed):
+            if token in self.eos_token_ids:
+                return allowed[:index]
+        return allowed
+
     def truncate(self, output_token_ids: list[int]) -> None:
         """Undo tokens fed since the sequence held `output_token_ids` (a failed step)."""
         extra = self.num_tokens - len(output_token_ids)
@@ -129,8 +139,11 @@ class GuidedDecoder:
                                       guided.param)
         return GuideState(matcher, self.eos_token_ids)
 
-    def mask(self, guides: list[GuideState | None], device: torch.device) -> GuidedMask | None:
-        """The mask of a batch whose row i is guided by guides[i] (None: unconstrained)."""
+    def mask(self, guides: list[GuideState | None], device: torch.device,
+             drafts: dict[int, tuple[int, ...]] | None = None) -> GuidedMask | None:
+        """The mask of a batch whose row i is guided by guides[i] (None: unconstrained).
+        `drafts`: a verified sequence's first row -> its proposals; its next len(draft)
+        rows (guided by the same guide) get the grammar's masks after each proposal."""
         rows = [i for i, g in enumerate(guides) if g is not None]
         if not rows:
             return None
@@ -141,8 +154,15 @@ class GuidedDecoder:
         # What llguidance.torch.fill_next_token_bitmask_par does, without importing that
         # module: it defines a torch.compile'd function at import, which loads dynamo and
         # inductor (2.4 s of every worker's start).
-        self.executor.unsafe_compute_mask_ptr([(guides[i].matcher, k) for k, i in enumerate(rows)],
-                                              bitmask.data_ptr(), words * 4, len(rows))
+        if drafts:
+            # llguidance advances a matcher through the draft for the later rows and rolls it back.
+            later = {first + j for first, draft in drafts.items() for j in range(1, len(draft) + 1)}
+            self.executor.unsafe_compute_mask_ptr_with_draft_token(
+                [(guides[i].matcher, k, list(drafts.get(i, ()))) for k, i in enumerate(rows) if i not in later],
+                bitmask.data_ptr(), words * 4, len(rows))
+        else:
+            self.executor.unsafe_compute_mask_ptr([(guides[i].matcher, k) for k, i in enumerate(rows)],
+                                                  bitmask.data_ptr(), words * 4, len(rows))
         by_byte = bitmask.view(torch.uint8).view(-1).int()
         forbidden = _FORBIDDEN_BY_BYTE.index_select(0, by_byte).view(len(rows), words * 32)[:, : self.model_vocab_size]
         return GuidedMask(torch.tensor(rows, device=device), forbidden.to(device), len(rows) == len(guides))

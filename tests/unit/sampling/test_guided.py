@@ -29,6 +29,7 @@ from workers.contract.requests import GenerateRequest
 from workers.contract.sampling_params import GuidedDecoding, SamplingParams
 from workers.core.sequence import FinishReason
 from workers.engine.llm_engine import LLMEngine
+from workers.sampling.guided import GuideState
 from workers.serving.request_processor import RequestProcessor
 
 SCHEMAS = {
@@ -396,3 +397,81 @@ def test_a_dead_end_mid_output_is_a_400_for_that_request_only(paged_model, tiny_
     assert bad[-1].error.status == 400 and bad[-1].error.code == "invalid_grammar", bad[-1]
     assert "\n" not in bad[-1].error.message  # llguidance's parser dump is left out
     assert good[-1].finish_reason == "length" and good[-1].error is None
+
+
+def test_speculation_under_a_grammar_keeps_the_tokens_and_takes_proposals(paged_model, tiny_tokenizer, prompt):
+    """Method suffix on guided requests: the second wave replays the first's grammar-valid
+    answers, so its proposals are taken; each verification row is masked by the grammar
+    after the proposals before it, so greedy and seeded outputs equal the plain engine's."""
+    from workers.core.limits import SpeculativeLimits
+
+    suffix = SpeculativeLimits(num_tokens=6, lookup_min=1, lookup_max=3, disable_by_batch_size=None,
+                               method="suffix", history_requests=64)
+    requests = [SamplingParams(max_tokens=40, temperature=0.0, guided=schema_guide(SCHEMAS[name]))
+                for name in SCHEMAS] + [sampled(schema_guide(SCHEMAS["enums"]), seed, max_tokens=40)
+                                        for seed in range(2)]
+
+    def outputs(engine, waves: int) -> list[list[int]]:
+        out = []
+        for _ in range(waves):
+            for params in requests:  # one at a time: each is the only sequence running
+                rid = engine.add_request(prompt, params)
+                out.append([e.token_id for e in run_to_completion(engine)[rid]])
+        return out
+
+    plain = outputs(guided_engine(paged_model, tiny_tokenizer), 1)
+    engine = guided_engine(paged_model, tiny_tokenizer, speculative=suffix)
+    assert outputs(engine, 2) == plain + plain
+    counts = engine.proposer.counts
+    assert counts.accepted_tokens > sum(len(tokens) for tokens in plain) // 2
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_proposals_are_cut_where_the_grammar_refuses(engine, tiny_tokenizer):
+    guide = engine.guided.compile(GuidedDecoding(kind="regex", spec="ab+c"))
+    a, b, c = (tiny_tokenizer.convert_tokens_to_ids(t) for t in "abc")
+    assert guide.allowed_prefix((a, b, b, c)) == (a, b, b, c)
+    assert guide.allowed_prefix((a, b, a, c)) == (a, b)
+    assert guide.allowed_prefix((b, a)) == ()
+    assert guide.allowed_prefix((a, b, c, tiny_tokenizer.eos_token_id)) == (a, b, c)
+    assert guide.allowed_prefix(()) == ()
+    assert guide.num_tokens == 0  # nothing consumed
+
+
+def test_prompt_lookup_proposals_outside_the_grammar_are_cut_not_fed(paged_model, tiny_tokenizer):
+    """Method ngram copies from a prompt full of near-JSON: many proposals leave the schema
+    part way. Only the part the grammar takes is fed (a row after a refused token would
+    have nothing to sample from), and sampled outputs equal the plain engine's."""
+    from workers.core.limits import SpeculativeLimits
+
+    ngram = SpeculativeLimits(num_tokens=6, lookup_min=1, lookup_max=3, disable_by_batch_size=None)
+    text = 'Records: {"name": "ab", "age": x1} {"name": "cd", "age": "2"} {"nam": 3, "age": [4]} ' * 3
+    prompt = template_ids(tiny_tokenizer, text + "Reply with one record in JSON.")
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 4},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    requests = [sampled(schema_guide(schema), seed, max_tokens=40) for seed in range(6)]
+
+    def outputs(engine) -> list[list[int]]:
+        out = []
+        for params in requests:
+            rid = engine.add_request(prompt, params)
+            out.append([e.token_id for e in run_to_completion(engine)[rid]])
+        return out
+
+    plain = outputs(guided_engine(paged_model, tiny_tokenizer))
+    engine = guided_engine(paged_model, tiny_tokenizer, speculative=ngram)
+    cut = []
+    allowed = GuideState.allowed_prefix
+
+    def spy(guide, tokens):
+        kept = allowed(guide, tokens)
+        cut.append(len(tokens) - len(kept))
+        return kept
+
+    GuideState.allowed_prefix = spy
+    try:
+        assert outputs(engine) == plain
+    finally:
+        GuideState.allowed_prefix = allowed
+    assert sum(cut) > 0 and engine.proposer.counts.draft_tokens > 0
