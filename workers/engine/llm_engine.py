@@ -64,7 +64,7 @@ from workers.sampling.guided import GuideState
 from workers.sampling.logprobs import sampled_logprobs, score_prompts
 from workers.sampling.sampler import Sampler, SamplingTensors
 from workers.speculative.proposals import SpeculationCounts
-from workers.speculative.verification import VerifyRows, accepted_count
+from workers.speculative.verification import VerifyRows, accepted_count, rows_ahead
 
 
 class LLMEngine:
@@ -370,11 +370,14 @@ class LLMEngine:
     def _draw(self, seqs: list[Sequence], row_logits: torch.Tensor, pending: int | list[int] = 0,
               drafts: dict[int, tuple[int, ...]] | None = None) -> tuple[list[int], dict]:
         """A token from each row of `row_logits` (row i: `seqs[i]`'s, `pending` tokens past
-        its end; `drafts`: a guided verification's first row -> the proposals its later rows
-        follow), and the log-probabilities of the rows that ask."""
-        tensors = SamplingTensors.from_sequences(seqs, self.vocab_size, self.device, pending)
+        its end; `drafts`: a verification's first row -> the proposals its later rows follow,
+        which their penalties count and their grammar masks take), and the log-probabilities
+        of the rows that ask."""
+        ahead = rows_ahead(len(seqs), drafts) if drafts else None
+        tensors = SamplingTensors.from_sequences(seqs, self.vocab_size, self.device, pending, ahead)
         if self.guided is not None:
-            tensors.guided = self.guided.mask([s.guide for s in seqs], self.device, drafts)
+            guided_drafts = {first: draft for first, draft in (drafts or {}).items() if seqs[first].guide is not None}
+            tensors.guided = self.guided.mask([s.guide for s in seqs], self.device, guided_drafts)
         tokens = self.sampler(row_logits, tensors)
         forced = [(row, token) for row, seq in enumerate(seqs) if (token := seq.forced_token()) is not None]
         if forced:  # a thinking budget spent: its end tag, whatever was drawn (the logprob is the model's)
@@ -389,7 +392,7 @@ class LLMEngine:
         while they match (workers/speculative/verification.py)."""
         seqs, rows = fork_choices(seqs, self.scheduler, self._requests, self._ids)
         plan = VerifyRows.of(seqs, [sampling_rows[r] for r in rows], drafted, draft_base)
-        drafts = {g.first: g.draft for g in plan.groups if g.draft and g.seq.guide is not None}
+        drafts = {g.first: g.draft for g in plan.groups if g.draft}
         samples, logprobs = self._draw(plan.seqs, logits[plan.logit_rows], plan.pending, drafts)
         results, result_rows = [], []
         for group in plan.groups:

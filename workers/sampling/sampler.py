@@ -37,8 +37,12 @@ class PenaltyTensors:
     presence: torch.Tensor  # [S]
 
     @classmethod
-    def build(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> "PenaltyTensors":
-        outputs = [s.output_token_ids if s.params.has_penalties else [] for s in seqs]
+    def build(cls, seqs: list[Sequence], vocab_size: int, device: torch.device,
+              ahead: list[list[int]] | None = None) -> "PenaltyTensors":
+        """`ahead`: by row, tokens after the sequence's end that the row follows (a
+        verification row: the proposals before it), counted as output."""
+        outputs = [(s.output_token_ids + (ahead[i] if ahead else [])) if s.params.has_penalties else []
+                   for i, s in enumerate(seqs)]
         prompts = [s.token_ids[: s.num_prompt_tokens] if s.params.repetition_penalty != 1.0 else [] for s in seqs]
         counts = _token_counts(outputs, vocab_size, device)
         seen = (_token_counts(prompts, vocab_size, device) > 0) | (counts > 0)
@@ -87,10 +91,12 @@ class SamplingTensors:
 
     @classmethod
     def from_sequences(cls, seqs: list[Sequence], vocab_size: int, device: torch.device,
-                       pending: int | list[int] = 0) -> "SamplingTensors":
+                       pending: int | list[int] = 0, ahead: list[list[int]] | None = None) -> "SamplingTensors":
         """`pending`: tokens each sequence has sampled but not appended yet (async
         scheduling samples one step ahead; a speculative step's row j of a sequence comes j
-        tokens after its end: a list, by row), so seeded rows draw for the right position."""
+        tokens after its end: a list, by row), so seeded rows draw for the right position.
+        `ahead`: by row, those tokens where they are known (a verification row's proposals
+        before it), so penalties count them as output."""
         params = [s.params for s in seqs]
         greedy = [p.greedy for p in params]
         temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
@@ -112,7 +118,8 @@ class SamplingTensors:
             needs_top_k=any(k < vocab_size for k, s in zip(top_ks, sampled) if s),
             needs_top_p=any(p < 1.0 for p, s in zip(top_ps, sampled) if s),
             min_ps=torch.tensor(min_ps, device=device) if any(min_ps) else None,
-            penalties=PenaltyTensors.build(seqs, vocab_size, device) if any(p.has_penalties for p in params) else None,
+            penalties=PenaltyTensors.build(seqs, vocab_size, device, ahead)
+            if any(p.has_penalties for p in params) else None,
             additive=_additive_entries(seqs, vocab_size),
             seeded=_seeded_rows(seqs, sampled, pending, device),
         )

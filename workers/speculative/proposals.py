@@ -154,14 +154,14 @@ class ProposalPace:
 def can_speculate(seq: Sequence) -> bool:
     """Whether a decoding sequence's next rows may be checked together: not while its
     sampling depends on the output so far in ways one step's rows do not follow
-    (penalties, min_tokens' bans, a thinking budget's forced end), nor for beams, nor
-    before its first new token (choices fork then, and that token's event carries the
-    request's first-token facts). A grammar's rows follow it: the scheduler keeps the
-    proposals the grammar takes, and each row gets the grammar's mask after the proposals
-    before it (GuidedDecoder.mask's drafts)."""
+    (min_tokens' bans, a thinking budget's forced end), nor for beams, nor before its
+    first new token (choices fork then, and that token's event carries the request's
+    first-token facts). Grammars and penalties follow the rows: the scheduler keeps the
+    proposals a grammar takes, and each row gets the grammar's mask and the penalties'
+    counts after the proposals before it (the engine's `_draw` drafts)."""
     params = seq.params
     return (seq.num_output_tokens > seq.num_resumed_tokens and not params.use_beam_search
-            and not params.has_penalties and seq.num_output_tokens >= params.min_tokens
+            and seq.num_output_tokens >= params.min_tokens
             and params.thinking_budget is None)
 
 

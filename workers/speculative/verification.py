@@ -69,3 +69,13 @@ def accepted_count(samples: list[int], draft: tuple[int, ...]) -> int:
     while count < len(draft) and samples[count] == draft[count]:
         count += 1
     return count
+
+
+def rows_ahead(num_rows: int, drafts: dict[int, tuple[int, ...]]) -> list[list[int]]:
+    """By row of a verification batch, the proposals before it: `drafts` maps a drafted
+    sequence's first row to its proposals, and its row first + j follows the first j."""
+    ahead: list[list[int]] = [[] for _ in range(num_rows)]
+    for first, draft in drafts.items():
+        for j in range(1, len(draft) + 1):
+            ahead[first + j] = list(draft[:j])
+    return ahead

@@ -72,6 +72,23 @@ def test_suffix_proposes_from_earlier_answers_and_keeps_greedy_tokens(paged_mode
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
+@pytest.mark.parametrize("penalty", [dict(presence_penalty=0.8), dict(frequency_penalty=0.5),
+                                     dict(repetition_penalty=1.3)], ids=["presence", "frequency", "repetition"])
+def test_penalties_count_the_proposals_before_each_row(paged_model, prompts, penalty):
+    """Each verification row is penalised for the proposals before it, as if they had been
+    sampled: greedy and seeded tokens equal the plain engine's, with proposals taken."""
+    runs = [greedy(24, **penalty), SamplingParams(max_tokens=24, temperature=0.9, seed=5, **penalty)]
+    for params in runs:
+        plain, _, _ = _outputs(paged_model, prompts, params, None)
+        engine = make_engine(paged_model, num_blocks=1200, speculative=NGRAM)
+        engine.proposer = engine.scheduler.proposer = ScriptedProposer(NGRAM, {tuple(p): t + [0] for p, t in
+                                                                               zip(prompts, plain)})
+        ids = [engine.add_request(p, params) for p in prompts]
+        events = run_to_completion(engine)
+        assert [[e.token_id for e in events[i]] for i in ids] == plain
+        assert engine.proposer.counts.accepted_tokens > 50
+
+
 class ScriptedProposer(NgramProposer):
     """Proposes each prompt's known greedy answer, every third token of it wrong: most
     proposals are taken, many refused part way (the random model's ngram proposals are
