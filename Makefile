@@ -96,7 +96,7 @@ bench-pd: $(STAMP)
 bench-spec: $(STAMP)
 	$(BIN)/python -m tools.bench.spec --concurrency 1 16 --rounds 2
 
-# Speculation through the servers at c=1: chatserve's Serve path (ngram off / on) against
+# Speculation through the servers at c=1: chatserve's Serve path (off, ngram, suffix) against
 # llama-server's own n-gram speculation types on the same GGUF.
 bench-spec-llamacpp: $(STAMP)
 	$(BIN)/python -m tools.bench.spec_peers --num-requests 8 --max-tokens 128

@@ -49,6 +49,7 @@ from workers.model.attention import register_paged_attention
 from workers.model.loader import load_model
 from workers.serving.host_memory import keep_freed_memory
 from workers.speculative.ngram_proposer import NgramIndex
+from workers.speculative.verification import accepted_count
 
 EDIT_TEXT = (
     "Ray Serve is a scalable model serving library for building online inference APIs. Serve is framework "
@@ -133,9 +134,7 @@ def lookup_ceiling(prompt: list[int], answer: list[int], proposals: int, shortes
     index, tokens, done, steps = NgramIndex(shortest, longest), list(prompt), 0, 0
     while done < len(answer):
         proposal = index.lookup(tokens, proposals) if done else []  # the first token comes from the prefill
-        taken = 0
-        while taken < len(proposal) and done + taken < len(answer) and proposal[taken] == answer[done + taken]:
-            taken += 1
+        taken = accepted_count(answer[done:], tuple(proposal[: len(answer) - done]))
         step = min(taken + 1, len(answer) - done)
         tokens += answer[done:done + step]
         done += step

@@ -218,9 +218,8 @@ class SpeculativeConfig(_Strict):
         "last few tokens in its own prompt and output (no second model: pays where answers repeat their input, "
         "as edits, code and extraction do); suffix: ngram's lookup plus the model's earlier answers (the last "
         "suffix_decoding_max_cached_requests finished ones, matched on the last prompt_lookup_max tokens), taking "
-        "whichever source matched more of the "
-        "sequence's end: pays where answers repeat earlier answers (agent tool loops, retried or re-run "
-        "requests). Its proposals never change an output, but a request's speed can tell whether an earlier "
+        "whichever source matched more of the sequence's end: pays where answers repeat earlier answers (agent "
+        "tool loops, retried or re-run requests). Its proposals never change an output, but a request's speed can tell whether an earlier "
         "answer held the same text: use it where the callers trust each other; draft: a smaller model with the "
         "same tokenizer (draft_source) proposes its own greedy continuation, run by the same engine with its own "
         "KV cache")

@@ -373,11 +373,11 @@ class LLMEngine:
         its end; `drafts`: a verification's first row -> the proposals its later rows follow,
         which their penalties count and their grammar masks take), and the log-probabilities
         of the rows that ask."""
-        ahead = rows_ahead(len(seqs), drafts) if drafts else None
+        penalised = drafts and any(s.params.has_penalties for s in seqs)
+        ahead = rows_ahead(len(seqs), drafts) if penalised else None
         tensors = SamplingTensors.from_sequences(seqs, self.vocab_size, self.device, pending, ahead)
         if self.guided is not None:
-            guided_drafts = {first: draft for first, draft in (drafts or {}).items() if seqs[first].guide is not None}
-            tensors.guided = self.guided.mask([s.guide for s in seqs], self.device, guided_drafts)
+            tensors.guided = self.guided.mask([s.guide for s in seqs], self.device, drafts)
         tokens = self.sampler(row_logits, tensors)
         forced = [(row, token) for row, seq in enumerate(seqs) if (token := seq.forced_token()) is not None]
         if forced:  # a thinking budget spent: its end tag, whatever was drawn (the logprob is the model's)

@@ -77,7 +77,7 @@ def remove_unless_busy(copy: Path) -> None:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return
-        logger.info("removing %s: an older copy of a changed source", copy)
+        logger.info("removing %s: a copy of an older version of its source, or of a source that is gone", copy)
         shutil.rmtree(copy, ignore_errors=True)
         if not whole.exists() and not whole.with_name(whole.name + ".tmp").exists():
             lock_path.unlink(missing_ok=True)

@@ -143,7 +143,8 @@ class GuidedDecoder:
              drafts: dict[int, tuple[int, ...]] | None = None) -> GuidedMask | None:
         """The mask of a batch whose row i is guided by guides[i] (None: unconstrained).
         `drafts`: a verified sequence's first row -> its proposals; its next len(draft)
-        rows (guided by the same guide) get the grammar's masks after each proposal."""
+        rows (guided by the same guide) get the grammar's masks after each proposal (an
+        unguided sequence's entry is not read)."""
         rows = [i for i, g in enumerate(guides) if g is not None]
         if not rows:
             return None

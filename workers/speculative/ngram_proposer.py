@@ -114,13 +114,11 @@ class NgramProposer:
             return ()
         tokens = seq.token_ids
         after = lookup.index.find(tokens)
-        own = _copy_on(tokens, after, count) if after is not None else []
-        if self.history is None:
-            return tuple(own)
-        earlier = self.history.lookup(tokens, count, adapter_key(seq))
-        if earlier is not None and (after is None or earlier.length > matched_length(tokens, tokens, after)):
-            return tuple(earlier.tokens)
-        return tuple(own)
+        if self.history is not None:
+            earlier = self.history.lookup(tokens, count, adapter_key(seq))
+            if earlier is not None and (after is None or earlier.length > matched_length(tokens, tokens, after)):
+                return tuple(earlier.tokens)
+        return tuple(_copy_on(tokens, after, count)) if after is not None else ()
 
     def finished(self, seq: Sequence) -> None:
         """A sequence ended: a whole answer (not a cancelled one) joins the history."""

@@ -60,17 +60,21 @@ class ResponseHistory:
         serial, self._serial = self._serial, self._serial + 1
         self._answers[serial] = (adapter, tokens)
         self._order.append(serial)
-        table, n = self._tables.setdefault(adapter, {}), self.n
-        for end in range(n, len(tokens)):
-            table[tuple(tokens[end - n : end])] = (serial, end)
+        table = self._tables.setdefault(adapter, {})
+        for key, end in self._ngrams(tokens):
+            table[key] = (serial, end)
         while len(self._order) > self.max_requests:
             self._remove(self._order.popleft())
 
+    def _ngrams(self, tokens: list[int]):
+        """Each n-gram of `tokens` that has a token after it, with that token's position."""
+        n = self.n
+        return ((tuple(tokens[end - n : end]), end) for end in range(n, len(tokens)))
+
     def _remove(self, serial: int) -> None:
         adapter, tokens = self._answers.pop(serial)
-        table, n = self._tables[adapter], self.n
-        for end in range(n, len(tokens)):
-            key = tuple(tokens[end - n : end])
+        table = self._tables[adapter]
+        for key, _ in self._ngrams(tokens):
             if table.get(key, (None,))[0] == serial:
                 del table[key]
         if not table:
