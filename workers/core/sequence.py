@@ -176,6 +176,16 @@ class Sequence:
             self._thinking = ThinkingState(budget, self.token_ids[:self.num_prompt_tokens], self.output_token_ids)
         return self._thinking.forced_token()
 
+    def unforced_prefix(self, draft: tuple[int, ...]) -> tuple[int, ...]:
+        """The leading part of proposed tokens `draft` that its thinking budget forces nothing
+        after (all of it without a budget; none when the next token is forced): each
+        verification row is then drawn freely, as the same row of a plain step would be."""
+        if self.params.thinking_budget is None or self.guide is not None:
+            return draft
+        if self.forced_token() is not None:
+            return ()
+        return draft[: self._thinking.free_run(draft)]
+
     def append_token(self, token_id: int) -> FinishReason | None:
         """Add a sampled token and return why the sequence ends now, if it does."""
         self.token_ids.append(token_id)

@@ -9,6 +9,8 @@ fork, an undone step, a resume), so it never disagrees with them."""
 
 from __future__ import annotations
 
+import copy
+
 from workers.contract.sampling_params import ThinkingBudget
 
 WAITING, COUNTING, FORCING, DONE = "waiting", "counting", "forcing", "done"
@@ -30,6 +32,17 @@ class ThinkingState:
     def forced_token(self) -> int | None:
         """The token the next step must produce, or None when it is free."""
         return self.budget.end_ids[self.count] if self.stage == FORCING else None
+
+    def free_run(self, tokens: tuple[int, ...]) -> int:
+        """How many of `tokens`, appended in turn, keep every next token free: the part of a
+        speculative proposal whose verification rows the budget forces nothing in (the
+        state itself is left as it is)."""
+        state = copy.copy(self)
+        for taken, token in enumerate(tokens):
+            state.push(token)
+            if state.forced_token() is not None:
+                return taken
+        return len(tokens)
 
     def push(self, token: int) -> None:
         budget = self.budget

@@ -197,6 +197,8 @@ class Scheduler:
         draft = self.proposer.propose(seq, min(budget - 1, output_room(seq)))
         if draft and seq.guide is not None:
             draft = seq.guide.allowed_prefix(draft)
+        if draft:
+            draft = seq.unforced_prefix(draft)
         if not draft or self.blocks.blocks_needed(seq, 1 + len(draft)) > self.blocks.num_free_blocks:
             return 0
         batch.block_copies.extend(self.blocks.allocate(seq, 1 + len(draft)))

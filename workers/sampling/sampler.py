@@ -120,7 +120,7 @@ class SamplingTensors:
             min_ps=torch.tensor(min_ps, device=device) if any(min_ps) else None,
             penalties=PenaltyTensors.build(seqs, vocab_size, device, ahead)
             if any(p.has_penalties for p in params) else None,
-            additive=_additive_entries(seqs, vocab_size),
+            additive=_additive_entries(seqs, vocab_size, pending),
             seeded=_seeded_rows(seqs, sampled, pending, device),
         )
 
@@ -135,11 +135,14 @@ def _seeded_rows(seqs: list[Sequence], sampled: list[bool], pending: int | list[
                             device)
 
 
-def _additive_entries(seqs: list[Sequence], vocab_size: int) -> tuple[list[int], list[int], list[float]] | None:
-    """logit_bias entries, and -inf for EOS / stop tokens while min_tokens is not reached."""
+def _additive_entries(seqs: list[Sequence], vocab_size: int,
+                      pending: int | list[int] = 0) -> tuple[list[int], list[int], list[float]] | None:
+    """logit_bias entries, and -inf for EOS / stop tokens while min_tokens is not reached
+    (by the row's own output position: a verification row follows its proposals)."""
     rows: list[int] = []
     tokens: list[int] = []
     values: list[float] = []
+    ahead = pending if isinstance(pending, list) else [pending] * len(seqs)
     for row, seq in enumerate(seqs):
         params = seq.params
         for token, bias in params.logit_bias.items():
@@ -148,7 +151,8 @@ def _additive_entries(seqs: list[Sequence], vocab_size: int) -> tuple[list[int],
                 tokens.append(token)
                 values.append(bias)
         # A complete grammar allows only EOS: banning it would leave no token at all.
-        if seq.num_output_tokens < params.min_tokens and not (seq.guide is not None and seq.guide.is_complete):
+        if seq.num_output_tokens + ahead[row] < params.min_tokens \
+                and not (seq.guide is not None and seq.guide.is_complete):
             banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(seq.eos_token_ids))
             for token in banned:
                 if 0 <= token < vocab_size:

@@ -152,17 +152,13 @@ class ProposalPace:
 
 
 def can_speculate(seq: Sequence) -> bool:
-    """Whether a decoding sequence's next rows may be checked together: not while its
-    sampling depends on the output so far in ways one step's rows do not follow
-    (min_tokens' bans, a thinking budget's forced end), nor for beams, nor before its
-    first new token (choices fork then, and that token's event carries the request's
-    first-token facts). Grammars and penalties follow the rows: the scheduler keeps the
-    proposals a grammar takes, and each row gets the grammar's mask and the penalties'
-    counts after the proposals before it (the engine's `_draw` drafts)."""
-    params = seq.params
-    return (seq.num_output_tokens > seq.num_resumed_tokens and not params.use_beam_search
-            and seq.num_output_tokens >= params.min_tokens
-            and params.thinking_budget is None)
+    """Whether a decoding sequence's next rows may be checked together: not for beams, nor
+    before its first new token (choices fork then, and that token's event carries the
+    request's first-token facts). The rest follows the rows: the scheduler keeps the
+    proposals a grammar takes and those a thinking budget forces nothing after, and each
+    row gets the grammar's mask, the penalties' counts and min_tokens' bans as of the
+    proposals before it (the engine's `_draw` drafts and pending rows)."""
+    return seq.num_output_tokens > seq.num_resumed_tokens and not seq.params.use_beam_search
 
 
 def output_room(seq: Sequence) -> int:

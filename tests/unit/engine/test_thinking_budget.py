@@ -31,6 +31,18 @@ def test_the_section_is_counted_from_its_start_and_its_end_forced():
     assert state.stage == DONE
 
 
+def test_free_run_counts_the_proposals_no_forced_token_follows():
+    """Speculation's cut: of proposed tokens, the leading ones after each of which the next
+    token is still free; the state itself does not move."""
+    state = ThinkingState(budget(3), [1, 50], [8])  # one token counted, two left
+    assert state.free_run((9, 10, 11)) == 1  # after 9 one is left; after 10 the end is forced
+    assert ThinkingState(budget(5), [1, 50], [8]).free_run((9, 60, 61, 12)) == 4  # the model's own end tag
+    assert state.free_run((7, 50)) == 1
+    assert (state.stage, state.count) == (COUNTING, 1)
+    waiting = ThinkingState(budget(1), [1], [])
+    assert waiting.free_run((4, 50, 5, 6)) == 2  # opened by the second, forced after its first token
+
+
 def test_a_natural_end_stops_the_count_and_a_prompt_may_leave_the_section_open():
     state = ThinkingState(budget(5), [1, 50], [3, 60, 61])  # open in the prompt, closed by the model
     assert (state.stage, state.forced_token()) == (DONE, None)

@@ -20,7 +20,7 @@ from tests.support.engines import (
     tokens_by_choice,
 )
 from workers.contract.model_config import ModelConfig
-from workers.contract.sampling_params import SamplingParams
+from workers.contract.sampling_params import SamplingParams, ThinkingBudget
 from workers.core.limits import EngineLimits, SpeculativeLimits
 from workers.core.sequence import FinishReason
 from workers.engine.model_setup import draft_step_share, proposer
@@ -112,6 +112,18 @@ def test_a_stop_token_inside_accepted_proposals_ends_there(paged_model, drafts, 
     spec, reasons, _ = _outputs(paged_model, prompts, greedy(24, stop_token_ids=[stop]), drafts["same"])
     assert spec == expected
     assert all(r[-1] is FinishReason.STOP for t, r in zip(spec, reasons) if stop in t[0])
+
+
+def test_a_thinking_budget_and_min_tokens_keep_their_tokens(paged_model, drafts, prompts):
+    """The draft knows nothing of the budget: its proposals are cut before the forced end
+    tag, which comes where it does without a draft."""
+    budget = ThinkingBudget(5, "<think>", "</think>", start_ids=(50,), end_ids=(60, 61))
+    params = greedy(24, thinking_budget=budget, min_tokens=8)
+    opened = [p + [50] for p in prompts]
+    plain, _, _ = _outputs(paged_model, opened, params)
+    spec, _, engine = _outputs(paged_model, opened, params, drafts["same"])
+    assert spec == plain and engine.proposer.counts.accepted_tokens > 0
+    assert all(t[0][5:7] == [60, 61] for t in plain)
 
 
 class _Broken(torch.nn.Module):

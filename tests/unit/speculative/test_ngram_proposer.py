@@ -67,7 +67,7 @@ def test_requests_it_leaves_alone():
     assert proposer.propose(_seq([3, 1, 2]), 0) == ()
     assert proposer.propose(_seq([]), 4) == ()  # before the first token (n > 1 forks then)
     assert proposer.propose(_seq([3, 1, 2], presence_penalty=0.5), 4) == (3, 1, 2, 3)  # penalties follow the rows
-    assert proposer.propose(_seq([3, 1, 2], min_tokens=8), 4) == ()
+    assert proposer.propose(_seq([3, 1, 2], min_tokens=8), 4) == (3, 1, 2, 3)  # each row bans by its position
     assert proposer.propose(_seq([3, 1, 2], n=2, use_beam_search=True, temperature=0.0), 4) == ()
     guided = _seq([3, 1, 2])
     guided.guide = object()  # a grammar no longer stops proposals (the scheduler cuts them to it)

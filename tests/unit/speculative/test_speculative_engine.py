@@ -16,7 +16,7 @@ from tests.support.engines import (
     run_to_completion,
     tokens_by_choice,
 )
-from workers.contract.sampling_params import SamplingParams
+from workers.contract.sampling_params import SamplingParams, ThinkingBudget
 from workers.core.limits import SpeculativeLimits
 from workers.core.sequence import FinishReason
 from workers.speculative.ngram_proposer import NgramProposer
@@ -87,6 +87,57 @@ def test_penalties_count_the_proposals_before_each_row(paged_model, prompts, pen
         events = run_to_completion(engine)
         assert [[e.token_id for e in events[i]] for i in ids] == plain
         assert engine.proposer.counts.accepted_tokens > 50
+
+
+def _scripted_outputs(model, prompts, params_list, **limits):
+    """Each prompt with its own params: the plain engine's tokens, then the same through a
+    ScriptedProposer that proposes them (every third wrong); and how many it got taken."""
+    plain_engine = make_engine(model, num_blocks=1200, **limits)
+    ids = [plain_engine.add_request(p, params) for p, params in zip(prompts, params_list)]
+    events = run_to_completion(plain_engine)
+    plain = [[e.token_id for e in events[i]] for i in ids]
+    engine = make_engine(model, num_blocks=1200, speculative=NGRAM, **limits)
+    engine.proposer = engine.scheduler.proposer = ScriptedProposer(NGRAM, {tuple(p): t + [0] for p, t in
+                                                                           zip(prompts, plain)})
+    ids = [engine.add_request(p, params) for p, params in zip(prompts, params_list)]
+    events = run_to_completion(engine)
+    return plain, [[e.token_id for e in events[i]] for i in ids], engine.proposer.counts.accepted_tokens
+
+
+def test_min_tokens_bans_each_row_by_its_own_position(paged_model, prompts):
+    """EOS pushed up by logit_bias and banned until min_tokens: a verification that spans
+    min_tokens bans it in the rows before and not after, so every answer ends where the
+    plain engine's does (at or after its min_tokens) and proposals are taken before it."""
+    eos = 7
+    params = [SamplingParams(max_tokens=24, temperature=0.0, min_tokens=3 + i % 9, logit_bias={eos: 4.0})
+              for i in range(len(prompts))]
+    plain, spec, taken = _scripted_outputs(paged_model, prompts, params, eos=frozenset({eos}))
+    assert spec == plain
+    ends = [len(t) for t in plain if t[-1] == eos]
+    assert len(ends) > len(prompts) // 2 and any(n < 24 for n in ends)
+    assert all(len(t) >= p.min_tokens for t, p in zip(plain, params))
+    assert taken > 20
+
+
+def test_a_thinking_budget_forces_its_end_where_it_does_without_proposals(paged_model, prompts):
+    """Prompts that open the reasoning section, budgets of 2-10 tokens: proposals are cut
+    before any row the budget would force, so the end tag comes at the same place, and the
+    tokens before and after it are proposed and taken too."""
+    start, end = (50,), (60, 61)
+    opened = [p + list(start) for p in prompts]
+    params = [greedy(24, thinking_budget=ThinkingBudget(2 + i % 9, "<think>", "</think>", start_ids=start,
+                                                        end_ids=end)) for i in range(len(prompts))]
+    plain, spec, taken = _scripted_outputs(paged_model, opened, params)
+    assert spec == plain
+    for tokens, p in zip(plain, params):
+        n = p.thinking_budget.tokens
+        assert tokens[n : n + 2] == list(end)
+    assert taken > 50
+    # The prompt-lookup proposer itself proposes for such requests (a budget and min_tokens).
+    both = dataclasses.replace(params[4], min_tokens=8)
+    plain, _, _ = _outputs(paged_model, opened, both, None)
+    spec, _, engine = _outputs(paged_model, opened, both, NGRAM)
+    assert spec == plain and engine.proposer.counts.accepted_tokens > 0
 
 
 class ScriptedProposer(NgramProposer):
