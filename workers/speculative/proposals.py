@@ -157,8 +157,12 @@ def can_speculate(seq: Sequence) -> bool:
     request's first-token facts). The rest follows the rows: the scheduler keeps the
     proposals a grammar takes and those a thinking budget forces nothing after, and each
     row gets the grammar's mask, the penalties' counts and min_tokens' bans as of the
-    proposals before it (the engine's `_draw` drafts and pending rows)."""
-    return seq.num_output_tokens > seq.num_resumed_tokens and not seq.params.use_beam_search
+    proposals before it (the engine's `_draw` drafts and pending rows). Except a guided
+    request still under min_tokens: a plain step lifts the ban once the grammar is
+    complete, which a row cannot see when the proposals before it complete it."""
+    params = seq.params
+    return (seq.num_output_tokens > seq.num_resumed_tokens and not params.use_beam_search
+            and not (seq.guide is not None and seq.num_output_tokens < params.min_tokens))
 
 
 def output_room(seq: Sequence) -> int:

@@ -72,5 +72,8 @@ def test_requests_it_leaves_alone():
     guided = _seq([3, 1, 2])
     guided.guide = object()  # a grammar no longer stops proposals (the scheduler cuts them to it)
     assert proposer.propose(guided, 4) == (3, 1, 2, 3)
+    guided_early = _seq([3, 1, 2], min_tokens=8)
+    guided_early.guide = object()  # its grammar may complete inside the proposals, where a plain step lifts the ban
+    assert proposer.propose(guided_early, 4) == ()
     assert batch_allows(LIMITS, 2) and not batch_allows(LIMITS, 3)
     assert batch_allows(SpeculativeLimits(4, 1, 3, None), 1000)
