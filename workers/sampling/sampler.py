@@ -108,6 +108,9 @@ class SamplingTensors:
         # An all-greedy batch never reads these four: they stay on the host (no device copy
         # and, on CUDA, no wait for the model step still running).
         row_device = torch.device("cpu") if all_greedy else device
+        # The output position each row draws for: its sequence's next, `pending` further on.
+        ahead_of_end = pending if isinstance(pending, list) else [pending] * len(seqs)
+        positions = [s.num_output_tokens + n for s, n in zip(seqs, ahead_of_end)]
         return cls(
             temperatures=torch.tensor(temps, dtype=torch.float32, device=row_device),
             top_ks=torch.tensor(top_ks, dtype=torch.long, device=row_device),
@@ -120,29 +123,26 @@ class SamplingTensors:
             min_ps=torch.tensor(min_ps, device=device) if any(min_ps) else None,
             penalties=PenaltyTensors.build(seqs, vocab_size, device, ahead)
             if any(p.has_penalties for p in params) else None,
-            additive=_additive_entries(seqs, vocab_size, pending),
-            seeded=_seeded_rows(seqs, sampled, pending, device),
+            additive=_additive_entries(seqs, vocab_size, positions),
+            seeded=_seeded_rows(seqs, sampled, positions, device),
         )
 
 
-def _seeded_rows(seqs: list[Sequence], sampled: list[bool], pending: int | list[int],
+def _seeded_rows(seqs: list[Sequence], sampled: list[bool], positions: list[int],
                  device: torch.device) -> SeededRows | None:
     rows = [i for i, s in enumerate(seqs) if sampled[i] and s.params.seed is not None]
     if not rows:
         return None
-    ahead = pending if isinstance(pending, list) else [pending] * len(seqs)
-    return SeededRows.build(rows, [seqs[i].seed_key for i in rows], [seqs[i].num_output_tokens + ahead[i] for i in rows],
-                            device)
+    return SeededRows.build(rows, [seqs[i].seed_key for i in rows], [positions[i] for i in rows], device)
 
 
 def _additive_entries(seqs: list[Sequence], vocab_size: int,
-                      pending: int | list[int] = 0) -> tuple[list[int], list[int], list[float]] | None:
-    """logit_bias entries, and -inf for EOS / stop tokens while min_tokens is not reached
-    (by the row's own output position: a verification row follows its proposals)."""
+                      positions: list[int]) -> tuple[list[int], list[int], list[float]] | None:
+    """logit_bias entries, and -inf for EOS / stop tokens in a row whose output position
+    (`positions`: a verification row's comes after its proposals) is below min_tokens."""
     rows: list[int] = []
     tokens: list[int] = []
     values: list[float] = []
-    ahead = pending if isinstance(pending, list) else [pending] * len(seqs)
     for row, seq in enumerate(seqs):
         params = seq.params
         for token, bias in params.logit_bias.items():
@@ -151,8 +151,7 @@ def _additive_entries(seqs: list[Sequence], vocab_size: int,
                 tokens.append(token)
                 values.append(bias)
         # A complete grammar allows only EOS: banning it would leave no token at all.
-        if seq.num_output_tokens + ahead[row] < params.min_tokens \
-                and not (seq.guide is not None and seq.guide.is_complete):
+        if positions[row] < params.min_tokens and not (seq.guide is not None and seq.guide.is_complete):
             banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(seq.eos_token_ids))
             for token in banned:
                 if 0 <= token < vocab_size:
