@@ -17,7 +17,6 @@ from tests.support.engines import (
     prompt_ids,
     reference_greedy,
     template_ids,
-    wait_idle,
     with_async_engine,
 )
 from workers.core.limits import CapacityError
@@ -157,11 +156,14 @@ def test_a_hung_step_is_visible_to_the_health_check(paged_model, tiny_tokenizer)
     engine.step = hanging_step
 
     async def body(aengine):
-        aengine.add_request(template_ids(tiny_tokenizer, "Hi"), greedy(2))
+        stream = QueuedEvents(aengine.add_request(template_ids(tiny_tokenizer, "Hi"), greedy(2)))
         await asyncio.sleep(0.3)
         stuck = aengine.stuck_for()
         release.set()
-        await wait_idle(aengine)
+        # The last step's events are handed over after its clock is cleared, so the
+        # request's end is the moment to read it (its stats change inside the step).
+        async for _ in stream:
+            pass
         return stuck, aengine.stuck_for()
 
     stuck, after = asyncio.run(with_async_engine(engine, body))
