@@ -184,7 +184,10 @@ def test_a_killed_ingress_replica_cuts_only_its_own_streams(two_replica_app):
     assert 0 < report.affected < report.in_flight_at_kill
     assert report.recovery_s is not None and report.recovery_s < 30
     assert report.replaced_s is not None
-    assert report.failed_after_kill == 0, report.errors
+    # A request sent in the moment before Serve's proxy drops the dead replica may still be
+    # routed there (the cut streams' clients send again at once): answered 500 or cut by the
+    # edge, never after that.
+    assert report.failed_after_notice == 0, report.errors
 
 
 def test_scale_down_and_a_redeploy_under_load_affect_no_request(two_replica_app, wide_model_dir):
@@ -333,9 +336,11 @@ def test_fault_report_counts_only_requests_in_flight_at_the_kill():
         return Outcome("chat_stream", result, 200, started=started, latency_s=latency)
 
     load = [outcome("completed", 0, 5), outcome("failed", 8, 4), outcome("lost", 9, 2),
-            outcome("completed", 9, 3), outcome("completed", 11, 1), outcome("failed", 12, 0.1)]
+            outcome("completed", 9, 3), outcome("completed", 11, 1), outcome("failed", 12, 0.1),
+            outcome("lost", 10.2, 0.1)]
     probes = [outcome("failed", 10.5, 0.1), outcome("completed", 11, 2), outcome("completed", 9, 0.5)]
     report = fault_report("kill", 2, load, probes, killed_at=10.0, replaced_s=20.0)
     assert (report.in_flight_at_kill, report.affected, report.affected_failed, report.affected_lost) == (3, 2, 1, 1)
-    assert (report.sent_after_kill, report.failed_after_kill) == (2, 1)
+    # The one lost 0.2 s after the kill was sent before the edge could know of it.
+    assert (report.sent_after_kill, report.failed_after_kill, report.failed_after_notice) == (3, 2, 1)
     assert report.recovery_s == 3.0  # the first probe sent after the kill that succeeded ended at 13

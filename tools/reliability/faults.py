@@ -11,7 +11,10 @@ replace it) and keeps the load going. Per fault it reports:
 - in flight at the kill, and of those the affected ones (not completed), by class:
   `failed` (a clear error: JSON error or SSE error event) or `lost` (cut connection,
   malformed, timeout);
-- failures among requests sent after the kill;
+- failures among requests sent after the kill, and among those sent once the edge could
+  know of it (`EDGE_NOTICE_S` after): until Serve's proxy drops the dead replica from its
+  set it still routes new requests there, answered 500 or cut (the streams the kill cut
+  come straight back, their clients sending again);
 - recovery: seconds from the kill until a probe request (one token, sent one after
   another beside the load, not counted in it) sent after the kill succeeds; and until
   Serve reports the deployment's replicas all RUNNING again, the killed one replaced.
@@ -42,6 +45,10 @@ from tools.reliability.replicas import (
 from tools.reliability.soak import COMPLETED, FAILED, LOST, Outcome, send
 
 INGRESS = "ChatIngress"
+# How long after a kill a new request may still be routed to the dead replica: Serve's
+# proxy drops it from its set when a call to it fails or the controller's update arrives
+# (0.3-0.5 s in the runs of docs/RELIABILITY.md).
+EDGE_NOTICE_S = 1.0
 
 
 @dataclass
@@ -65,6 +72,7 @@ class FaultReport:
     affected_lost: int
     sent_after_kill: int
     failed_after_kill: int  # failed or lost
+    failed_after_notice: int  # of those, sent EDGE_NOTICE_S or more after the kill
     recovery_s: float | None  # kill -> the end of the first probe sent after it that succeeded
     replaced_s: float | None  # kill -> the deployment's replicas all RUNNING again
     errors: dict[str, int]  # "class detail" -> count, over affected and later failures
@@ -72,7 +80,8 @@ class FaultReport:
     def line(self) -> str:
         return (f"{self.fault}: {self.affected} of {self.in_flight_at_kill} in flight affected "
                 f"({self.affected_failed} failed clearly, {self.affected_lost} lost); "
-                f"{self.failed_after_kill} of {self.sent_after_kill} sent after the kill failed; "
+                f"{self.failed_after_kill} of {self.sent_after_kill} sent after the kill failed "
+                f"({self.failed_after_notice} from {EDGE_NOTICE_S} s after it); "
                 f"recovery {self.recovery_s} s, replica replaced in {self.replaced_s} s; {self.errors}")
 
 
@@ -122,6 +131,7 @@ def fault_report(fault: str, replicas: int, outcomes: list[Outcome], probes: lis
         affected_failed=sum(o.result == FAILED for o in affected),
         affected_lost=sum(o.result == LOST for o in affected),
         sent_after_kill=len(after), failed_after_kill=len(failed_after),
+        failed_after_notice=sum(o.started >= killed_at + EDGE_NOTICE_S for o in failed_after),
         recovery_s=recovery_seconds(probes, killed_at), replaced_s=replaced_s,
         errors=dict(_count(f"{o.result} {o.status} {o.detail[:80]}" for o in affected + failed_after)),
     )
