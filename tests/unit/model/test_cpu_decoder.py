@@ -76,6 +76,30 @@ def test_seeded_samples_with_n_are_the_same(packed_model):
     assert got == want and counted.taken > 0
 
 
+@pytest.mark.parametrize("prompts", [1, 2, 3], ids=["one-row", "two-rows", "three-rows"])
+def test_two_threads_give_the_one_thread_bits(packed_model, prompts):
+    """Steps of one to three decode rows split over two threads (the rounding, the products'
+    group pairs and the attention's heads shared by the team): the tokens and logprobs of
+    one thread, every decode step taken in the one call. The suite's own runs use one
+    thread (tests/conftest.py)."""
+    def run(threads: int):
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            engine = make_engine(packed_model)
+            counted = engine.runner.direct.decode_layers = _Counted(engine.runner.direct.decode_layers)
+            params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=1, ignore_eos=True)
+            ids = [engine.add_request(prompt, params) for prompt in PROMPTS[:prompts]]
+            events = run_to_completion(engine)
+        finally:
+            torch.set_num_threads(previous)
+        return [[(ev.token_id, ev.logprob) for ev in events[i]] for i in ids], counted
+
+    (got, counted), (want, _) = run(2), run(1)
+    assert got == want
+    assert counted.taken >= 10 and counted.declined == 0
+
+
 def test_a_slot_outside_the_cache_declines_and_leaves_x(packed_model):
     """The call checks every slot before it writes: one past the caches and nothing is done
     (the per-layer path then raises, as torch's index_copy does)."""
