@@ -4,7 +4,7 @@ speculative rows carry their acceptance figures from that engine's counters."""
 from __future__ import annotations
 
 from tests.support.engines import make_engine, prompt_ids, run_to_completion
-from tools.bench.spec import lookup_ceiling, measure
+from tools.bench.spec import lookup_ceiling, measure, paced_replay
 from workers.contract.sampling_params import SamplingParams
 from workers.core.limits import SpeculativeLimits
 
@@ -42,3 +42,16 @@ def test_lookup_ceiling_counts_the_steps_prompt_lookup_would_take():
     assert lookup_ceiling(prompt, copy, 4, 2, 4) == 33 / 9
     assert lookup_ceiling(prompt, list(range(500, 520)), 4, 2, 4) == 1.0
     assert lookup_ceiling(prompt, [], 4, 2, 4) == 0.0
+
+
+def test_paced_replay_prices_each_proposed_token():
+    """At no price the pacing always proposes the most, which is the ceiling; at 0.3 a verbatim
+    copy still gets 4 proposals a step (the prior rate 0.8: 0.8^4 > 0.3), each step of 5
+    tokens costing 2.2 plain steps; an answer that lookup never finds costs nothing extra."""
+    prompt = list(range(100, 140))
+    copy = prompt[:33]
+    assert paced_replay(prompt, copy, 4, 2, 4, 0.0) == lookup_ceiling(prompt, copy, 4, 2, 4)
+    # Steps: the prefill's token, one without a match, six of 4 + 1 at 2.2 each, and the last
+    # token with one proposal (room for one) at 1.3: 33 tokens for 16.5 plain steps.
+    assert paced_replay(prompt, copy, 4, 2, 4, 0.3) == 33 / 16.5
+    assert paced_replay(prompt, list(range(500, 520)), 4, 2, 4, 0.3) == 1.0

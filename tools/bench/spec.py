@@ -17,7 +17,9 @@ the mean tokens a verification step gave its sequence. For the edit load, also i
 ceiling: the greedy answer (up to the end of its turn) replayed through the same prompt
 lookup, the tokens a step would give if a verification cost no more than a plain step, at
 `--num-speculative-tokens` and at 16 proposals (what the answer's own text allows,
-whatever the engine's speed).
+whatever the engine's speed); and the same answer paced as the engine paces proposals, at
+fixed prices of a fed row (a share of a step: ~0.2-0.3 for the default model on 2 CPU
+cores), the speed-up the text and the price allow.
 
 `--method draft` proposes with a draft model: `--draft-source` (any model source with the
 default model's tokenizer), or by default the default model's own first `--draft-layers`
@@ -49,6 +51,7 @@ from workers.model.attention import register_paged_attention
 from workers.model.loader import load_model
 from workers.serving.host_memory import keep_freed_memory
 from workers.speculative.ngram_proposer import NgramIndex
+from workers.speculative.proposals import ProposalPace
 from workers.speculative.verification import accepted_count
 
 EDIT_TEXT = (
@@ -60,6 +63,7 @@ EDIT_TEXT = (
     "for model composition and many model serving, enabling you to build a complex inference service consisting "
     "of multiple ML models and buisness logic all in Python code."
 )
+ROW_PRICES = (0.0, 0.1, 0.2, 0.3)  # a fed row's cost as a share of a one-row step, for the paced replay
 EDIT_PROMPT = f"Fix the spelling mistakes in this text and write it out again in full:\n\n{EDIT_TEXT}"
 
 
@@ -140,6 +144,28 @@ def lookup_ceiling(prompt: list[int], answer: list[int], proposals: int, shortes
         done += step
         steps += 1
     return len(answer) / steps if steps else 0.0
+
+
+def paced_replay(prompt: list[int], answer: list[int], proposals: int, shortest: int, longest: int,
+                 row_price: float) -> float:
+    """Output speed-up over plain decoding for `answer` after `prompt` when each step proposes
+    what the engine's own pacing asks for (ProposalPace at a fixed `row_price`: a proposed
+    token costs that share of a step) by prompt lookup, the step costing 1 + row_price x its
+    proposals: what the pacing can make of this text on a machine where a fed row costs that
+    much, without the engine's other overheads."""
+    index, pace, tokens = NgramIndex(shortest, longest), ProposalPace(proposals, row_price), list(prompt)
+    done, spent = 0, 0.0
+    while done < len(answer):
+        count = pace.next_length(len(answer) - done) if done else 0  # the first token comes from the prefill
+        proposal = index.lookup(tokens, count) if count else []
+        taken = accepted_count(answer[done:], tuple(proposal[: len(answer) - done]))
+        if proposal:
+            pace.record(len(proposal), taken)
+        step = min(taken + 1, len(answer) - done)
+        tokens += answer[done:done + step]
+        done += step
+        spent += 1 + row_price * len(proposal)
+    return len(answer) / spent if spent else 0.0
 
 
 def greedy_answer(engine: LLMEngine, prompt: list[int], max_tokens: int, end_id: int | None) -> list[int]:
@@ -228,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     for engine in engines.values():  # warm-up
         run_level(engine, loads["chat"][0], SamplingParams(max_tokens=8), 1, 1)
     levels = measure(engines, {k: loads[k] for k in args.loads}, args.concurrency, args.rounds)
-    ceiling = {}
+    ceiling, paced = {}, {}
     if "edit" in args.loads:
         prompt = loads["edit"][0]
         end_of_turn = loaded.tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -237,10 +263,15 @@ def main(argv: list[str] | None = None) -> None:
                    for k in sorted({args.num_speculative_tokens, 16})}
         print(f"edit ceiling: the greedy answer's {len(answer)} tokens by prompt lookup, verification free: "
               + ", ".join(f"{v:.2f} tokens a step at {k} proposals" for k, v in ceiling.items()), flush=True)
+        paced = {price: paced_replay(prompt, answer, args.num_speculative_tokens, args.lookup_min, args.lookup_max,
+                                     price) for price in ROW_PRICES}
+        print(f"edit paced: the same answer with the engine's pacing at {args.num_speculative_tokens} proposals, a fed "
+              "row costing a share of a step: " + ", ".join(f"{v:.2f}x at {p}" for p, v in paced.items()), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cpu_threads": torch.get_num_threads(), "levels": [dataclasses.asdict(x) for x in levels],
-                       "speculative": spec.model_dump(), "edit_ceiling_tokens_a_step": ceiling}, f, indent=2)
+                       "speculative": spec.model_dump(), "edit_ceiling_tokens_a_step": ceiling,
+                       "edit_paced_speedup_by_row_price": paced}, f, indent=2)
 
 
 if __name__ == "__main__":
