@@ -121,8 +121,11 @@ bench-ttft-overhead: $(STAMP)
 	$(BIN)/python -m tools.bench.compare --model default --levels 1 --max-tokens 4 --systems engine serve \
 		--label=-ttft
 
+# On a GPU: the engine against transformers' generate_batch (1B, 8B), then speculative
+# decoding on the 1B shape (a fed row's price on the device; ngram and draft at concurrency 1).
 bench-gpu: $(STAMP)
 	mkdir -p bench-results && $(BIN)/python -m tools.bench.gpu --shape 1b 8b --json bench-results/gpu.json
+	$(BIN)/python -m tools.bench.gpu_spec --shape 1b --json bench-results/gpu-spec.json
 
 # Reliability (docs/RELIABILITY.md): a 10-minute soak at concurrency 32 on the default model,
 # and the fault runs (kill a worker replica, kill the ingress replica, under load). Each starts

@@ -29,7 +29,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from workers.contract.model_config import EngineConfig
 from workers.contract.sampling_params import SamplingParams
-from workers.core.limits import EngineLimits
+from workers.core.limits import EngineLimits, SpeculativeLimits
 from workers.engine.kv_sizing import resolve_kv_cache_bytes
 from workers.engine.llm_engine import LLMEngine
 from workers.model.attention import register_paged_attention
@@ -100,14 +100,18 @@ def random_prompts(load: Load, vocab: int, count: int | None = None) -> list[lis
 
 
 def make_engine(model, load: Load, device: torch.device, cuda_graphs: bool = True,
-                async_scheduling: bool = True) -> LLMEngine:
+                async_scheduling: bool = True, speculative: SpeculativeLimits | None = None,
+                draft_model=None) -> LLMEngine:
+    """`speculative` and `draft_model`: as the worker passes them (tools/bench/gpu_spec.py)."""
     model.set_attn_implementation(register_paged_attention())
     limits = EngineLimits(block_size=16, max_num_seqs=256, max_num_batched_tokens=8192,
                           max_model_len=load.input_len + load.output_len + 64,  # + the decode timing's steps
                           cuda_graph_max_batch=256 if cuda_graphs else 0,
-                          async_scheduling=async_scheduling and device.type == "cuda")
+                          async_scheduling=async_scheduling and device.type == "cuda" and speculative is None,
+                          speculative=speculative)
     kv_bytes = resolve_kv_cache_bytes(EngineConfig(), device, model, limits)
-    return LLMEngine(model, frozenset(), dataclasses.replace(limits, kv_cache_bytes=kv_bytes), device)
+    return LLMEngine(model, frozenset(), dataclasses.replace(limits, kv_cache_bytes=kv_bytes), device,
+                     draft_model=draft_model)
 
 
 def engine_throughput(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> float:
@@ -118,7 +122,7 @@ def engine_throughput(engine: LLMEngine, prompts: list[list[int]], output_len: i
     tokens, start = 0, time.perf_counter()
     while engine.has_work():
         tokens += sum(1 for e in engine.step() if e.token_id >= 0)
-    _sync(engine.device)
+    sync_device(engine.device)
     return tokens / (time.perf_counter() - start)
 
 
@@ -138,11 +142,11 @@ def engine_decode_ms(engine: LLMEngine, prompts: list[list[int]], steps: int = 2
     while started != ids:
         started |= {e.request_id for e in engine.step()}
     engine.step()
-    _sync(engine.device)
+    sync_device(engine.device)
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    _sync(engine.device)
+    sync_device(engine.device)
     elapsed = (time.perf_counter() - start) / steps * 1000
     replay_ms = _replay_ms(engine, len(prompts), steps)
     report = _profile_steps(engine, steps) if profile else None
@@ -157,11 +161,11 @@ def _replay_ms(engine: LLMEngine, batch: int, reps: int) -> float | None:
     if graphs is None or not graphs.fits(batch):
         return None
     graph = graphs.graphs[next(s for s in graphs.sizes if s >= batch), False]  # (size, with LoRA)
-    _sync(engine.device)
+    sync_device(engine.device)
     start = time.perf_counter()
     for _ in range(reps):
         graph.replay()
-    _sync(engine.device)
+    sync_device(engine.device)
     return (time.perf_counter() - start) / reps * 1000
 
 
@@ -170,7 +174,7 @@ def _profile_steps(engine: LLMEngine, steps: int) -> str:
     profiler.enable()
     for _ in range(steps):
         engine.step()
-    _sync(engine.device)
+    sync_device(engine.device)
     profiler.disable()
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(18)
@@ -199,12 +203,12 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    _sync(device)
+    sync_device(device)
     reps = 10
     start = time.perf_counter()
     for _ in range(reps):
         dst.copy_(src)
-    _sync(device)
+    sync_device(device)
     return 2 * nbytes * reps / (time.perf_counter() - start)
 
 
@@ -219,7 +223,8 @@ def bytes_read_per_decode_step(model, load: Load) -> int:
     return weights + load.decode_batch * (load.input_len + 10) * kv
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op off CUDA): timings end here."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -243,7 +248,7 @@ def run_shape(shape: str, load: Load, device: torch.device, dtype: torch.dtype, 
         engine.runner.decode_graphs = None  # same engine and cache, eager steps
         decode_eager_ms = engine_decode_ms(engine, random_prompts(load, vocab, load.decode_batch)).step_ms
     del engine
-    _free(device)
+    free_device_memory(device)
     bandwidth = copy_bandwidth(device, 1 << (30 if device.type == "cuda" else 26))
     floor_ms = bytes_read_per_decode_step(model, load) / bandwidth * 1000
     # On CUDA: its CUDA graphs on (the issue's terms). On CPU its default cache takes a share
@@ -256,11 +261,12 @@ def run_shape(shape: str, load: Load, device: torch.device, dtype: torch.dtype, 
     report = ShapeReport(shape, device.type, str(dtype).removeprefix("torch."), params_b, engine_tok_s, hf_tok_s,
                          decode.step_ms, decode.replay_ms, decode_eager_ms, floor_ms, bandwidth / 1e9)
     del model
-    _free(device)
+    free_device_memory(device)
     return report
 
 
-def _free(device: torch.device) -> None:
+def free_device_memory(device: torch.device) -> None:
+    """Drop what the last model or engine left: Python's garbage, then CUDA's cached blocks."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
