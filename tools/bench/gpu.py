@@ -78,10 +78,12 @@ class ShapeReport:
                 f"{self.floor_ms:7.2f} ms ({self.floor_ms / self.decode_ms:5.1%})   copy {self.copy_gb_s:7.1f} GB/s")
 
 
-def build_model(shape: str, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=4096, eos_token_id=None, bos_token_id=None,
-                         pad_token_id=None)
-    torch.manual_seed(0)
+def build_model(shape: str, dtype: torch.dtype, device: torch.device, overrides: dict | None = None,
+                seed: int = 0) -> LlamaForCausalLM:
+    """A random Llama of the shape (with `overrides` of its config fields), weights from `seed`."""
+    config = LlamaConfig(**{**SHAPES[shape], **(overrides or {})}, max_position_embeddings=4096, eos_token_id=None,
+                         bos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -272,6 +274,23 @@ def free_device_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def bench_device(parser: argparse.ArgumentParser, tiny: bool) -> tuple[torch.device, torch.dtype]:
+    """The CPU in float32 for a smoke run; else the CUDA device in bfloat16 (a usage error
+    without one)."""
+    if tiny:
+        return torch.device("cpu"), torch.float32
+    if not torch.cuda.is_available():
+        parser.error("no CUDA device: use --tiny for the CPU smoke run")
+    return torch.device("cuda"), torch.bfloat16
+
+
+def write_reports(path: str | None, load: Load, key: str, reports: list) -> None:
+    """The load and the reports (dataclasses) as JSON at `path`, when one is given."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"load": dataclasses.asdict(load), key: [dataclasses.asdict(r) for r in reports]}, f, indent=2)
+
+
 def main(argv: list[str] | None = None) -> list[ShapeReport]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", nargs="+", choices=sorted(SHAPES), default=["1b", "8b"])
@@ -288,14 +307,10 @@ def main(argv: list[str] | None = None) -> list[ShapeReport]:
     parser.add_argument("--json", default=None, help="also write the reports here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the graph-capture line
-    if args.tiny:
-        shapes, device, dtype = ["tiny"], torch.device("cpu"), torch.float32
-        load = Load(requests=8, input_len=16, output_len=8, decode_batch=4)
-    else:
-        if not torch.cuda.is_available():
-            parser.error("no CUDA device: use --tiny for the CPU smoke run")
-        shapes, device, dtype = args.shape, torch.device("cuda"), torch.bfloat16
-        load = Load(args.requests, args.input_len, args.output_len, args.decode_batch)
+    device, dtype = bench_device(parser, args.tiny)
+    shapes = ["tiny"] if args.tiny else args.shape
+    load = (Load(requests=8, input_len=16, output_len=8, decode_batch=4) if args.tiny
+            else Load(args.requests, args.input_len, args.output_len, args.decode_batch))
     print(f"load: {load.requests} requests, input {load.input_len}, output {load.output_len}, ignore_eos; "
           f"decode step at batch {load.decode_batch}", flush=True)
     reports = []
@@ -304,10 +319,7 @@ def main(argv: list[str] | None = None) -> list[ShapeReport]:
                            not args.no_async, not args.no_fuse)
         print(report.line(), flush=True)
         reports.append(report)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"load": dataclasses.asdict(load), "shapes": [dataclasses.asdict(r) for r in reports]}, f,
-                      indent=2)
+    write_reports(args.json, load, "shapes", reports)
     return reports
 
 

@@ -22,22 +22,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import time
 from dataclasses import dataclass
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from tools.bench.gpu import (
     SHAPES,
     Load,
+    bench_device,
     build_model,
     engine_decode_ms,
     free_device_memory,
     make_engine,
     random_prompts,
     sync_device,
+    write_reports,
 )
 from workers.contract.sampling_params import SamplingParams
 from workers.core.limits import SpeculativeLimits
@@ -93,20 +94,12 @@ def draft_model(shape: str, dtype: torch.dtype, device: torch.device) -> LlamaFo
     """A smaller random Llama with the target's vocabulary: a quarter of its width, two layers."""
     base = SHAPES[shape]
     heads = max(base["num_attention_heads"] // 4, 1)
-    config = LlamaConfig(**{**base, "hidden_size": base["hidden_size"] // 4,
-                            "intermediate_size": base["intermediate_size"] // 4, "num_hidden_layers": DRAFT_LAYERS,
-                            "num_attention_heads": heads, "num_key_value_heads": min(base["num_key_value_heads"], heads)},
-                         max_position_embeddings=4096, eos_token_id=None, bos_token_id=None, pad_token_id=None)
-    torch.manual_seed(1)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    model.set_attn_implementation(register_paged_attention())
-    return model.eval()
+    model = build_model(shape, dtype, device, seed=1, overrides={
+        "hidden_size": base["hidden_size"] // 4, "intermediate_size": base["intermediate_size"] // 4,
+        "num_hidden_layers": DRAFT_LAYERS, "num_attention_heads": heads,
+        "num_key_value_heads": min(base["num_key_value_heads"], heads)})
+    model.set_attn_implementation(register_paged_attention())  # the engine sets the target's
+    return model
 
 
 def row_prices(model, load: Load, device: torch.device) -> list[RowPrice]:
@@ -182,23 +175,16 @@ def main(argv: list[str] | None = None) -> list[SpecReport]:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--json", default=None, help="also write the reports here")
     args = parser.parse_args(argv)
-    if args.tiny:
-        shapes, device, dtype = ["tiny"], torch.device("cpu"), torch.float32
-        load = Load(requests=args.requests, input_len=64, output_len=8, decode_batch=1)
-    else:
-        if not torch.cuda.is_available():
-            parser.error("no CUDA device: use --tiny for the CPU smoke run")
-        shapes, device, dtype = args.shape, torch.device("cuda"), torch.bfloat16
-        load = Load(args.requests, args.input_len, args.output_len, 1)
+    device, dtype = bench_device(parser, args.tiny)
+    shapes = ["tiny"] if args.tiny else args.shape
+    load = (Load(requests=args.requests, input_len=64, output_len=8, decode_batch=1) if args.tiny
+            else Load(args.requests, args.input_len, args.output_len, 1))
     reports = []
     for shape in shapes:
         report = run_shape(shape, load, device, dtype, args.num_speculative_tokens, args.requests)
         print("\n".join(report.lines()), flush=True)
         reports.append(report)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"load": dataclasses.asdict(load), "reports": [dataclasses.asdict(r) for r in reports]}, f,
-                      indent=2)
+    write_reports(args.json, load, "reports", reports)
     return reports
 
 
