@@ -126,12 +126,13 @@ def repeating_prompts(load: Load, vocab: int, count: int) -> list[list[int]]:
     return [(segment * (load.input_len // 32 + 1))[: load.input_len] for segment in segments]
 
 
-def run_method(model, draft, load: Load, device: torch.device, method: str, k: int, requests: int) -> MethodRun:
+def run_method(model, draft, load: Load, device: torch.device, method: str, k: int) -> MethodRun:
+    """`load.requests` greedy requests one after another (after a warm-up one)."""
     limits = None if method == "off" else SpeculativeLimits(k, LOOKUP[0], LOOKUP[1], None, method=method)
     engine = make_engine(model, load, device, cuda_graphs=device.type == "cuda", async_scheduling=False,
                          speculative=limits, draft_model=draft if method == "draft" else None)
     params = SamplingParams(max_tokens=load.output_len, temperature=0.0, ignore_eos=True)
-    prompts = repeating_prompts(load, model.config.vocab_size, requests + 1)
+    prompts = repeating_prompts(load, model.config.vocab_size, load.requests + 1)
     engine.add_request(prompts[0], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     while engine.has_work():
         engine.step()
@@ -154,12 +155,12 @@ def run_method(model, draft, load: Load, device: torch.device, method: str, k: i
                      1 + accepted / drafts if drafts else 0.0)
 
 
-def run_shape(shape: str, load: Load, device: torch.device, dtype: torch.dtype, k: int, requests: int) -> SpecReport:
+def run_shape(shape: str, load: Load, device: torch.device, dtype: torch.dtype, k: int) -> SpecReport:
     model = build_model(shape, dtype, device)
     fuse_sibling_projections(model)
     prices = row_prices(model, load, device)
     draft = draft_model(shape, dtype, device)
-    runs = [run_method(model, draft, load, device, method, k, requests) for method in ("off", "ngram", "draft")]
+    runs = [run_method(model, draft, load, device, method, k) for method in ("off", "ngram", "draft")]
     del model, draft
     free_device_memory(device)
     return SpecReport(shape, device.type, str(dtype).removeprefix("torch."), prices, runs)
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> list[SpecReport]:
             else Load(args.requests, args.input_len, args.output_len, 1))
     reports = []
     for shape in shapes:
-        report = run_shape(shape, load, device, dtype, args.num_speculative_tokens, args.requests)
+        report = run_shape(shape, load, device, dtype, args.num_speculative_tokens)
         print("\n".join(report.lines()), flush=True)
         reports.append(report)
     write_reports(args.json, load, "reports", reports)
