@@ -34,14 +34,17 @@ install: $(STAMP)
 #   task list reads them), no per-handler event-loop stats, and the Serve controller's loop
 #   every 0.5 s instead of 0.1 s. Each wake-up of theirs preempts a model thread; together
 #   they took the engine's decode step from 13-22 % slower beside an idle server to 5-13 %.
-# tools/bench/compare.py starts the Serve path with the same variables (a test keeps them equal).
+# - Ray starts without the dashboard's modules (serve_app/launch.py says why: one stream
+#   decodes 7-13 % faster on 2 cores); `make serve DASHBOARD=1` starts them too (the web UI,
+#   and the REST API `serve status` reads).
+# tools/bench/compare.py starts the Serve path with the same variables and command (a test keeps them equal).
 SERVE_ENV := RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_HAPROXY_NBTHREAD=1 \
 	RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=8001 RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=8100 \
 	RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 RAY_worker_niceness=0 \
 	RAY_task_events_report_interval_ms=0 RAY_event_stats=0 RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5
 
 serve: $(STAMP)
-	$(SERVE_ENV) $(BIN)/serve run configs/default.yaml
+	$(SERVE_ENV) $(BIN)/python -m serve_app.launch $(if $(DASHBOARD),--dashboard) configs/default.yaml
 
 # Two pytest processes at once (tools/run_tests.py): the Ray/server tests, mostly waiting on
 # their processes, beside the in-process tests (one torch thread each), so both cores work.

@@ -4,6 +4,7 @@ The root holds the top: what binds the app and answers requests. Every package b
 imports only packages further down (tests/unit/contract/test_layout.py).
 
   app.py         `serve run` entry point (build_app)
+  launch.py      `make serve`'s command: `serve run` in a Ray without the dashboard
   ingress.py     the ingress deployment: its routes and the one generate path
   handle_api.py  typed Python entry points for other Ray apps (the same path)
   dialects/      one module (or package) per request dialect, and the table of them

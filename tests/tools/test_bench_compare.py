@@ -12,6 +12,7 @@ from tools.bench.compare import (
     SERVE_ENV,
     SERVE_PORT,
     llamacpp_command,
+    serve_command,
     serve_environment,
     summary,
 )
@@ -30,8 +31,13 @@ def test_the_benchmark_starts_serve_with_make_serves_environment():
     assert makefile_serve_env() == {**SERVE_ENV, **edge_env}
 
 
-def test_make_serve_uses_that_environment():
-    assert re.search(r"^serve: .*\n\t\$\(SERVE_ENV\) \$\(BIN\)/serve run", MAKEFILE.read_text(), re.M)
+def test_make_serve_uses_that_environment_and_command():
+    recipe = re.search(r"^serve: .*\n\t(.*)$", MAKEFILE.read_text(), re.M).group(1)
+    words = recipe.replace("$(if $(DASHBOARD),--dashboard) ", "").split()
+    assert words[0] == "$(SERVE_ENV)" and words[1] == "$(BIN)/python"
+    config = Path("configs/default.yaml")
+    assert words[2:] == serve_command(config)[1:]  # the benchmark's command, less its interpreter
+    assert serve_command(config, plain=True)[1:] == ["run", "configs/default.yaml"]
 
 
 def test_make_serves_start_and_the_plain_one():

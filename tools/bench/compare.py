@@ -13,7 +13,7 @@ serve the blocks of a GGUF on CPU and serves the float copy, in the dtype chatse
 picks for float weights on this CPU (bfloat16 where AMX multiplies it, else float32;
 --vllm-dtype sets another), or in --dtype with --quantization none (the same weights).
 The Serve path is `serve run` of a config written from configs/default.yaml for the model,
-started the way `make serve` starts it (SERVE_ENV); vLLM is `vllm serve` from its own venv
+started the way `make serve` starts it (serve_app.launch, SERVE_ENV); vLLM is `vllm serve` from its own venv
 (tools/bench/vllm_cpu_env.sh) on the same model directory. llama.cpp's `llama-server`
 (built once by tools/bench/llamacpp_server.sh) serves the model's own GGUF
 file (the default model only: a Q4_1 GGUF), one slot per concurrent stream, a thread per
@@ -47,6 +47,13 @@ SERVE_PORT = 8000
 VLLM_PORT = 8011
 LLAMACPP_PORT = 8012
 PEER_TITLES = {"vllm": "vLLM", "llamacpp": "llama.cpp"}
+# Idle seconds between two systems: the machine's state after one run is the next one's
+# start. On the project's VMs the Serve path started right after the engine's run made
+# 103-109 tok/s at c=1, against 144-147 alone or after a minute's pause (default model, AMX
+# Xeon, 2026-11-29; not heat: after 40 s of both cores spinning it made 144); llama.cpp's
+# server 81-85 either way. Most likely the VM's free page reporting (virtio-balloon), which
+# hands the memory a run freed back to the host, to be faulted in again by the next one.
+SETTLE_S = 60.0
 
 # How `make serve` starts Ray and Serve, less the HTTP edge (the Makefile's SERVE_ENV is
 # this plus EDGES[DEFAULT_EDGE]: a test keeps them equal; the Makefile says why each).
@@ -128,6 +135,14 @@ def serve_environment(edge: str, plain: bool = False) -> tuple[dict[str, str], i
     return {**SERVE_ENV, **edge_env}, port
 
 
+def serve_command(config: Path, plain: bool = False) -> list[str]:
+    """How the Serve path is started: as `make serve` starts it (serve_app.launch: `serve run`
+    in a Ray without the dashboard's modules), or, `plain`, `serve run` as typed by hand."""
+    if plain:
+        return [console_script("serve"), "run", str(config)]
+    return [sys.executable, "-m", "serve_app.launch", str(config)]
+
+
 def console_script(name: str) -> str:
     """A console script beside this interpreter, else on PATH (on a lent GPU machine the
     carried wheels install Ray's under a folder of their own: tools/gpu_session/)."""
@@ -155,15 +170,14 @@ def server_running(cmd: list[str], port: int, log_path: Path, env: dict[str, str
 @contextmanager
 def serve_running(config: Path, edge: str, extra_env: dict[str, str], log_path: Path,
                   plain: bool = False, ready_timeout_s: float = 600) -> Iterator[str]:
-    """`serve run config` started as `make serve` starts it (SERVE_ENV, the edge's environment)
+    """`config` served as `make serve` serves it (serve_command, SERVE_ENV, the edge's environment)
     plus `extra_env`, or `plain`: as a user types it, with no environment of chatserve's
     (Serve's proxy is the edge); yields its URL once it serves, and stops everything it started."""
     chosen, port = serve_environment(edge, plain)
     python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, **chosen, **extra_env, "PYTHONPATH": python_path}
     try:
-        with server_running([console_script("serve"), "run", str(config)], port, log_path, env,
-                            ready_timeout_s) as url:
+        with server_running(serve_command(config, plain), port, log_path, env, ready_timeout_s) as url:
             yield url
     finally:
         subprocess.run([console_script("ray"), "stop", "--force"], check=False, capture_output=True)
@@ -261,6 +275,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--edge", choices=sorted(EDGES), default=DEFAULT_EDGE, help="the Serve path's HTTP edge")
     parser.add_argument("--serve-env", nargs="*", default=[], metavar="KEY=VALUE",
                         help="more environment for `serve run` (and so for Ray and the replicas)")
+    parser.add_argument("--settle-s", type=float, default=SETTLE_S,
+                        help="idle seconds before each system after the first (SETTLE_S says why)")
     parser.add_argument("--label", default="", help="added to the report files' names (A/B runs)")
     parser.add_argument("--out", type=Path, default=REPO / "bench-results")
     args = parser.parse_args(argv)
@@ -268,7 +284,9 @@ def main(argv: list[str] | None = None) -> None:
     model = resolve_model(args.model, args.out)
     config = serve_config(model, args.dtype, args.out, args.quantization, args.quantized_activations)
     reports = {system: args.out / f"{args.model}-{system}{args.label}.json" for system in args.systems}
-    for system in args.systems:
+    for index, system in enumerate(args.systems):
+        if index:
+            time.sleep(args.settle_s)
         print(f"== {system}: {model.name}, c={args.levels}, {args.max_tokens} tokens", flush=True)
         if system in ("engine", "worker"):
             bench_engine(args, model, "offline" if system == "engine" else "worker", config, reports[system])
