@@ -35,7 +35,7 @@ install: $(STAMP)
 #   every 0.5 s instead of 0.1 s. Each wake-up of theirs preempts a model thread; together
 #   they took the engine's decode step from 13-22 % slower beside an idle server to 5-13 %.
 # - Ray starts without the dashboard's modules (serve_app/launch.py says why: one stream
-#   decodes 7-13 % faster on 2 cores); `make serve DASHBOARD=1` starts them too (the web UI,
+#   decodes 4-18 % faster on 2 cores); `make serve DASHBOARD=1` starts them too (the web UI,
 #   and the REST API `serve status` reads).
 # tools/bench/compare.py starts the Serve path with the same variables and command (a test keeps them equal).
 SERVE_ENV := RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_HAPROXY_NBTHREAD=1 \

@@ -7,8 +7,8 @@ Why not plain `serve run`: it starts Ray with the dashboard, whose modules (node
 events, metrics, reports, Serve's REST API) poll the GCS and the node's agent every few
 seconds, and the agent and GCS answer. On two cores every such wake-up preempts a model
 thread, and its partner waits for it at the next barrier: idle, the whole stack took 9.4 %
-of an AMX Xeon's 2 CPUs with the modules and 4.9 % without, and one stream decoded 7-13 %
-faster without them (docs/BENCHMARKS.md, "Ray without the dashboard"). What the modules
+of an AMX Xeon's 2 CPUs with the modules and 4.9 % without, and one stream decoded 4-18 %
+(median 8 %) faster without them (docs/BENCHMARKS.md, "Ray without the dashboard"). What the modules
 give is the web UI and the REST API that `serve status`, `serve config` and `ray job` read:
 `--dashboard` (`make serve DASHBOARD=1`) starts them as `serve run` does. A Ray that is
 already running (`--address`, RAY_ADDRESS) is joined as it was started: `include_dashboard`
