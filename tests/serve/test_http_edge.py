@@ -5,7 +5,6 @@ worker), in a Ray of its own without the dashboard's modules, and SIGTERM stops 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.paths import REPO_ROOT
 from tests.support.serve_fixtures import (
@@ -25,6 +25,8 @@ from tests.support.serve_fixtures import (
 )
 from tests.support.tiny_models import write_tiny_model_dir
 from tools.bench.compare import DEFAULT_EDGE, EDGES, SERVE_ENV, serve_command
+from tools.procfs import read_text
+from tools.servers import session_members, stop_session
 
 KEY = "sk-http-edge-check"
 MESSAGES = [{"role": "user", "content": "Hello! How can I assist you today?"}]
@@ -43,14 +45,13 @@ def test_make_serves_start_serves_the_app_as_its_replicas_do(tmp_path):
     log = open(tmp_path / "serve.log", "w")
     launcher = subprocess.Popen(serve_command(config), cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-    started: dict[int, str] = {}
     try:
         edge, replica = f"http://127.0.0.1:{edge_port}", f"http://127.0.0.1:{replica_port}"
         auth = {"Authorization": f"Bearer {KEY}"}
         wait_ready(edge, timeout=240, headers=auth)
-        started = descendants(launcher.pid)
-        assert not [cmd for cmd in started.values() if cmd.startswith(DASHBOARD_MODULE)], started
-        assert any("gcs_server" in cmd for cmd in started.values()), started  # its own Ray, not a running one
+        commands = [read_text(f"/proc/{pid}/cmdline") for pid in session_members(launcher.pid)]
+        assert not [cmd for cmd in commands if cmd.startswith(DASHBOARD_MODULE)], commands
+        assert any("gcs_server" in cmd for cmd in commands), commands  # its own Ray, not a running one
 
         body = {"model": TINY_MODEL_ID, "messages": MESSAGES, "max_tokens": 12, "temperature": 0}
         assert httpx.post(edge + "/v1/chat/completions", json=body, timeout=60).status_code == 401
@@ -59,14 +60,10 @@ def test_make_serves_start_serves_the_app_as_its_replicas_do(tmp_path):
         leave_a_stream(edge, body, auth)  # the client leaves: HAProxy must pass that on
         assert settled(edge, auth) == {"running": 0.0, "kv_usage": 0.0}
     finally:
-        started = started or descendants(launcher.pid)
         os.kill(launcher.pid, signal.SIGTERM)
-        launcher.wait(timeout=90)
+        left = session_left(launcher, timeout_s=90)
+        stop_session(launcher)  # never leave a cluster behind, whatever the assertions said
         log.close()
-        left = wait_gone(started)
-        for pid in left:  # never leave a cluster behind, whatever the assertions said
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
     assert not left, (left, (tmp_path / "serve.log").read_text()[-3000:])
 
 
@@ -81,43 +78,13 @@ def write_config(tmp_path: Path, port: int) -> Path:
     return path
 
 
-def descendants(root: int) -> dict[int, str]:
-    """Every live process below `root`: pid -> command line."""
-    parents, commands = {}, {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            commands[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = {}, [root]
-    while frontier:
-        parent = frontier.pop()
-        for pid, ppid in parents.items():
-            if ppid == parent and pid not in found:
-                found[pid] = commands[pid]
-                frontier.append(pid)
-    return found
-
-
-def wait_gone(processes: dict[int, str], timeout: float = 30) -> list[int]:
-    """The pids of `processes` still running (zombies aside) after up to `timeout` seconds."""
-    deadline = time.time() + timeout
-    while True:
-        left = [pid for pid in processes if running(pid)]
-        if not left or time.time() > deadline:
-            return left
+def session_left(process: subprocess.Popen, timeout_s: float) -> list[int]:
+    """The processes of `process`'s session (everything the launcher started) still
+    running after up to `timeout_s` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while (left := session_members(process.pid)) and time.monotonic() < deadline:
         time.sleep(0.5)
-
-
-def running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    return left
 
 
 def chat_text(url: str, body: dict, headers: dict) -> str:
@@ -146,16 +113,17 @@ def settled(url: str, headers: dict, timeout: float = 20) -> dict[str, float]:
     """The model's running sequences and KV use by /metrics, once both are 0 (or at `timeout`)."""
     deadline = time.time() + timeout
     while True:
-        text = httpx.get(url + "/metrics", headers=headers, timeout=10).text
-        found = {name: gauge(text, metric) for name, metric in
-                 (("running", "chatserve_running_sequences"), ("kv_usage", "chatserve_kv_cache_usage_ratio"))}
+        found = {"running": gauge(url, headers, "chatserve_running_sequences"),
+                 "kv_usage": gauge(url, headers, "chatserve_kv_cache_usage_ratio")}
         if not any(found.values()) or time.time() > deadline:
             return found
         time.sleep(0.2)
 
 
-def gauge(metrics_text: str, name: str) -> float:
-    for line in metrics_text.splitlines():
-        if line.startswith(name + "{") and f'model="{TINY_MODEL_ID}"' in line:
-            return float(line.rsplit(" ", 1)[1])
+def gauge(url: str, headers: dict, name: str) -> float:
+    text = httpx.get(url + "/metrics", headers=headers, timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels.get("model") == TINY_MODEL_ID:
+                return sample.value
     raise AssertionError(f"{name} for {TINY_MODEL_ID} not in /metrics")

@@ -34,6 +34,7 @@ import dataclasses
 import json
 import statistics
 import time
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -131,18 +132,29 @@ def measure(engines: dict[bool, LLMEngine], loads: dict[str, tuple[list[int], Sa
     return out
 
 
-def lookup_ceiling(prompt: list[int], answer: list[int], proposals: int, shortest: int, longest: int) -> float:
-    """Tokens a step for `answer` after `prompt` when each step takes its proposal (prompt
-    lookup, as NgramProposer makes them) up to the first wrong token, plus the step's own
-    token: the most speculation can give this text if verifying cost nothing."""
-    index, tokens, done, steps = NgramIndex(shortest, longest), list(prompt), 0, 0
+def replayed_steps(prompt: list[int], answer: list[int], shortest: int, longest: int,
+                   proposal_length: Callable[[int], int]) -> Iterator[tuple[int, int]]:
+    """`answer` after `prompt` replayed step by step with prompt lookup (as NgramProposer
+    makes proposals), each step taking its proposal up to the first wrong token plus its own
+    token: (tokens proposed, tokens accepted) a step. A proposal's length is
+    `proposal_length(answer tokens left)`, asked after the previous step was handed back;
+    the first token comes from the prefill."""
+    index, tokens, done = NgramIndex(shortest, longest), list(prompt), 0
     while done < len(answer):
-        proposal = index.lookup(tokens, proposals) if done else []  # the first token comes from the prefill
-        taken = accepted_count(answer[done:], tuple(proposal[: len(answer) - done]))
-        step = min(taken + 1, len(answer) - done)
+        room = len(answer) - done
+        count = proposal_length(room) if done else 0
+        proposal = index.lookup(tokens, count) if count else []
+        taken = accepted_count(answer[done:], tuple(proposal[:room]))
+        yield len(proposal), taken
+        step = min(taken + 1, room)
         tokens += answer[done:done + step]
         done += step
-        steps += 1
+
+
+def lookup_ceiling(prompt: list[int], answer: list[int], proposals: int, shortest: int, longest: int) -> float:
+    """Tokens a step for `answer` after `prompt` when every step proposes `proposals`
+    tokens: the most speculation can give this text if verifying cost nothing."""
+    steps = sum(1 for _ in replayed_steps(prompt, answer, shortest, longest, lambda room: proposals))
     return len(answer) / steps if steps else 0.0
 
 
@@ -150,21 +162,14 @@ def paced_replay(prompt: list[int], answer: list[int], proposals: int, shortest:
                  row_price: float) -> float:
     """Output speed-up over plain decoding for `answer` after `prompt` when each step proposes
     what the engine's own pacing asks for (ProposalPace at a fixed `row_price`: a proposed
-    token costs that share of a step) by prompt lookup, the step costing 1 + row_price x its
-    proposals: what the pacing can make of this text on a machine where a fed row costs that
-    much, without the engine's other overheads."""
-    index, pace, tokens = NgramIndex(shortest, longest), ProposalPace(proposals, row_price), list(prompt)
-    done, spent = 0, 0.0
-    while done < len(answer):
-        count = pace.next_length(len(answer) - done) if done else 0  # the first token comes from the prefill
-        proposal = index.lookup(tokens, count) if count else []
-        taken = accepted_count(answer[done:], tuple(proposal[: len(answer) - done]))
-        if proposal:
-            pace.record(len(proposal), taken)
-        step = min(taken + 1, len(answer) - done)
-        tokens += answer[done:done + step]
-        done += step
-        spent += 1 + row_price * len(proposal)
+    token costs that share of a step), the step costing 1 + row_price x its proposals: what
+    the pacing can make of this text on a machine where a fed row costs that much, without
+    the engine's other overheads."""
+    pace, spent = ProposalPace(proposals, row_price), 0.0
+    for proposed, taken in replayed_steps(prompt, answer, shortest, longest, pace.next_length):
+        if proposed:
+            pace.record(proposed, taken)
+        spent += 1 + row_price * proposed
     return len(answer) / spent if spent else 0.0
 
 
