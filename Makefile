@@ -46,8 +46,9 @@ SERVE_ENV := RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_HAPROXY_NBTHREAD=1 \
 serve: $(STAMP)
 	$(SERVE_ENV) $(BIN)/python -m serve_app.launch $(if $(DASHBOARD),--dashboard) configs/default.yaml
 
-# Two pytest processes at once (tools/run_tests.py): the Ray/server tests, mostly waiting on
-# their processes, beside the in-process tests (one torch thread each), so both cores work.
+# Two lanes of pytest processes at once (tools/run_tests.py), so both cores work: the Ray/server
+# tests, mostly waiting on their processes; beside them the in-process tests (one torch thread
+# each), then a few Ray files with a cluster of their own.
 test: $(STAMP)
 	$(BIN)/python -m tools.run_tests
 

@@ -1,11 +1,12 @@
-"""`make test`'s split (tools/run_tests.py): every test file runs in exactly one of the two
-pytest processes, and the files that start Ray or servers are never in the in-process one."""
+"""`make test`'s split (tools/run_tests.py): every test file runs in exactly one of its pytest
+parts, the files that start Ray or servers are never in the in-process one, and the two Ray
+parts (which run at once) cannot kill each other's processes."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from tools.run_tests import PROCESS_TESTS, ROOT, parts
+from tools.run_tests import LANES, LATE_PROCESS_TESTS, PROCESS_TESTS, ROOT, parts
 
 
 def _files(paths: list[str]) -> list[Path]:
@@ -20,7 +21,8 @@ def test_every_test_file_is_in_exactly_one_part():
     split = parts()
     every = sorted(p for p in (ROOT / "tests").rglob("test_*.py")
                    if "node_modules" not in p.parts and "support" not in p.relative_to(ROOT / "tests").parts)
-    listed = _files(split["processes"]) + _files(split["in-process"])
+    assert sorted(name for lane in LANES for name in lane) == sorted(split)  # every part runs, once
+    listed = [path for paths in split.values() for path in _files(paths)]
     listed = [p for p in listed if "node_modules" not in p.parts]
     assert sorted(listed) == every  # none twice, none left out
 
@@ -35,4 +37,15 @@ def test_what_starts_ray_stays_in_the_process_part():
             continue  # names the markers
         text = path.read_text()
         assert not any(marker in text for marker in markers), path
-    assert all((ROOT / path).exists() for path in PROCESS_TESTS)
+    assert all((ROOT / path).exists() for path in PROCESS_TESTS + LATE_PROCESS_TESTS)
+    assert all(any(path.startswith(folder) for folder in PROCESS_TESTS) for path in LATE_PROCESS_TESTS)
+
+
+def test_the_files_that_kill_shards_by_process_title_run_in_one_part():
+    """test_tensor_parallel_serve.py SIGKILLs every ray::ShardActor process of the machine: the
+    files that start shards (a tensor- or pipeline-parallel model) must all be in its part, or
+    it would kill the other Ray part's."""
+    split = parts()
+    starters = {name for name in ("processes", "late processes") for path in _files(split[name])
+                if "tensor_parallel_size" in path.read_text() or "pipeline_parallel_size" in path.read_text()}
+    assert len(starters) == 1, starters
