@@ -57,7 +57,8 @@ def _without(folder: str, elsewhere: tuple[str, ...]) -> list[str]:
     """`folder` whole, or its test files but those in `elsewhere` when some of them are."""
     if not any(path.startswith(folder + "/") for path in elsewhere):
         return [folder]
-    return sorted(f"{folder}/{f.name}" for f in (ROOT / folder).glob("test_*.py") if f"{folder}/{f.name}" not in elsewhere)
+    files = sorted(f"{folder}/{f.name}" for f in (ROOT / folder).glob("test_*.py"))
+    return [path for path in files if path not in elsewhere]
 
 
 def run_lane(names: tuple[str, ...], split: dict[str, list[str]], argv: list[str], scratch: Path,

@@ -47,5 +47,9 @@ def test_the_files_that_kill_shards_by_process_title_run_in_one_part():
     it would kill the other Ray part's."""
     split = parts()
     starters = {name for name in ("processes", "late processes") for path in _files(split[name])
-                if "tensor_parallel_size" in path.read_text() or "pipeline_parallel_size" in path.read_text()}
+                if _starts_shards(path.read_text())}
     assert len(starters) == 1, starters
+
+
+def _starts_shards(text: str) -> bool:
+    return "tensor_parallel_size" in text or "pipeline_parallel_size" in text

@@ -176,11 +176,10 @@ def serve_running(config: Path, edge: str, extra_env: dict[str, str], log_path: 
     chosen, port = serve_environment(edge, plain)
     python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, **chosen, **extra_env, "PYTHONPATH": python_path}
-    try:
-        with server_running(serve_command(config, plain), port, log_path, env, ready_timeout_s) as url:
-            yield url
-    finally:
-        subprocess.run([console_script("ray"), "stop", "--force"], check=False, capture_output=True)
+    # Ray's daemons, workers and HAProxy stay in the command's session, which server_running
+    # stops whole: by process ids, never another Ray on the machine.
+    with server_running(serve_command(config, plain), port, log_path, env, ready_timeout_s) as url:
+        yield url
 
 
 def bench_serve(args, model: Model, config: Path, report: Path, plain: bool = False) -> None:
